@@ -1,0 +1,189 @@
+"""Group-relative advantages, multi-reward aggregation, RLOO, DAPO's dynamic-sampling filter and overlong
+reward shaping (ALGORITHMS.md §7).
+
+Rows are ordered by group: the ``G = num_generations`` completions of one prompt are consecutive.
+``NaN`` in a reward means "not applicable" and is skipped by every sum and mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+STD_EPS = 1e-4
+ZERO_STD_RTOL = 1e-6
+
+
+def normalize_scale_rewards(scale_rewards: str | bool) -> str:
+    """``True`` means ``"group"``, ``False`` means ``"none"`` (TRL's older booleans)."""
+    if scale_rewards is True:
+        return "group"
+    if scale_rewards is False:
+        return "none"
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r} is not supported; allowed: {', '.join(SCALE_REWARDS)}, True, False")
+    return scale_rewards
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased standard deviation ignoring NaNs (NaN where fewer than two values are valid)."""
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True).to(x.dtype)
+    var = torch.nansum((x - mean) ** 2, dim=dim, keepdim=True) / (count - 1)
+    std = torch.sqrt(var)
+    return std if keepdim else std.squeeze(dim)
+
+
+def _nan_range(x: torch.Tensor, dim: int) -> torch.Tensor:
+    finite = ~torch.isnan(x)
+    hi = torch.where(finite, x, torch.full_like(x, -torch.inf)).amax(dim)
+    lo = torch.where(finite, x, torch.full_like(x, torch.inf)).amin(dim)
+    return torch.where(finite.any(dim), hi - lo, torch.zeros_like(hi))
+
+
+def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Per group (n_groups,): True if all its valid rewards are equal (within a relative 1e-6: float rounding of
+    the std would otherwise hide exact ties, as TRL's ``isclose(std, 0)`` does) or it has fewer than two."""
+    grouped = rewards.view(-1, num_generations)
+    scale = 1.0 + torch.nan_to_num(torch.nanmean(grouped, dim=1).abs(), nan=0.0)
+    few = (~torch.isnan(grouped)).sum(1) < 2
+    return (_nan_range(grouped, 1) <= ZERO_STD_RTOL * scale) | few
+
+
+@dataclass
+class AdvantageResult:
+    advantages: torch.Tensor
+    """(N,) one advantage per completion; 0 exactly for tied groups and unscorable rows."""
+    rewards: torch.Tensor
+    """(N,) the aggregated reward ``R`` (NaN for rows every function skipped)."""
+    zero_std: torch.Tensor
+    """(N,) True where the row's group had no reward spread (no learning signal)."""
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    *,
+    reward_weights: torch.Tensor | list[float] | None = None,
+    scale_rewards: str | bool = "group",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    advantage_estimator: str = "grpo",
+) -> AdvantageResult:
+    """Advantages with the intermediate quantities a trainer logs. See :func:`compute_advantages`."""
+    if rewards.dim() == 1:
+        rewards = rewards.unsqueeze(-1)
+    n, k = rewards.shape
+    if num_generations < 1 or n % num_generations:
+        raise ValueError(f"rewards has {n} rows, which is not a multiple of num_generations={num_generations}")
+    scale = normalize_scale_rewards(scale_rewards)
+    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(
+            f"multi_objective_aggregation={multi_objective_aggregation!r} is not supported; "
+            f"allowed: {', '.join(MULTI_OBJECTIVE_AGGREGATIONS)}"
+        )
+    if advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"advantage_estimator={advantage_estimator!r} is not supported; allowed: {', '.join(ADVANTAGE_ESTIMATORS)}"
+        )
+    rewards = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    weights = torch.ones(k, dtype=rewards.dtype, device=rewards.device) if reward_weights is None else (
+        torch.as_tensor(reward_weights, dtype=rewards.dtype, device=rewards.device)
+    )
+    if weights.shape != (k,):
+        raise ValueError(f"reward_weights has {weights.numel()} values; expected {k} (one per reward function)")
+    unscorable = torch.isnan(rewards).all(-1)
+    g = num_generations
+
+    if multi_objective_aggregation == "normalize_then_sum":
+        grouped = rewards.view(-1, g, k)
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if g > 1 else torch.zeros_like(mean_k)
+        per_func = ((grouped - mean_k) / (torch.nan_to_num(std_k, nan=0.0) + STD_EPS)).view(n, k)
+        total = (per_func * weights).nansum(-1)
+        total[unscorable] = torch.nan
+        zero = zero_std_groups(total, g).repeat_interleave(g)
+        std = nanstd(total) if n > 1 else total.new_zeros(())
+        adv = (total - torch.nanmean(total)) / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
+    else:
+        total = (rewards * weights).nansum(-1)
+        total[unscorable] = torch.nan
+        grouped = total.view(-1, g)
+        zero = zero_std_groups(total, g).repeat_interleave(g)
+        if advantage_estimator == "rloo":
+            valid = (~torch.isnan(grouped)).to(total.dtype)
+            count = valid.sum(1, keepdim=True)
+            others = (torch.nansum(grouped, 1, keepdim=True) - torch.nan_to_num(grouped, nan=0.0)) / (count - 1).clamp(min=1.0)
+            adv = (grouped - others).view(-1)
+            adv = torch.where((count < 2).repeat_interleave(g, 1).view(-1), torch.zeros_like(adv), adv)
+        else:
+            mean = torch.nanmean(grouped, dim=1, keepdim=True)
+            adv = (grouped - mean).view(-1)
+            if scale == "group":
+                std = nanstd(grouped, dim=1, keepdim=True).expand(-1, g).reshape(-1)
+                adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
+            elif scale == "batch":
+                std = nanstd(total) if n > 1 else total.new_zeros(())
+                adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
+
+    adv = torch.where(zero | unscorable, torch.zeros_like(adv), adv)
+    adv = torch.nan_to_num(adv, nan=0.0)
+    return AdvantageResult(advantages=adv, rewards=total, zero_std=zero)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    *,
+    reward_weights: torch.Tensor | list[float] | None = None,
+    scale_rewards: str | bool = "group",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    advantage_estimator: str = "grpo",
+) -> torch.Tensor:
+    """Group-relative advantages, (N,), from rewards (N, K) of K reward functions (NaN = not applicable).
+
+    ``sum_then_normalize`` (GRPO, arXiv 2402.03300 §4.1.2): ``R_j = Σ_k w_k·r_jk``;
+    ``A_j = (R_j - mean_g R) / (std_g R + 1e-4)`` where ``std`` is the unbiased std of the group (``"group"``), of
+    the whole batch (``"batch"``), or omitted (``"none"``: Dr. GRPO, arXiv 2503.20783).
+    ``normalize_then_sum`` (GDPO): each reward normalised within its group, weighted and summed, then the sum
+    normalised over the batch (``scale_rewards`` is not used).
+    ``advantage_estimator="rloo"`` (arXiv 2402.14740): ``A_i = R_i - mean_{j≠i} R_j``, unscaled.
+
+    Groups whose rewards are all equal get exactly 0, and so do rows every reward function skipped.
+    """
+    return group_advantages(
+        rewards, num_generations, reward_weights=reward_weights, scale_rewards=scale_rewards,
+        multi_objective_aggregation=multi_objective_aggregation, advantage_estimator=advantage_estimator,
+    ).advantages
+
+
+def dynamic_sampling_keep(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """DAPO dynamic sampling (arXiv 2503.14476 §3.2): per group (n_groups,), True if the group has reward
+    spread (keep it), False if every completion scored alike (no gradient: drop and sample more)."""
+    if rewards.dim() == 2:
+        rewards = torch.where(torch.isnan(rewards).all(-1), torch.nan, torch.nansum(rewards, -1))
+    return ~zero_std_groups(rewards, num_generations)
+
+
+def overlong_penalty(
+    completion_lengths: torch.Tensor,
+    max_completion_length: int,
+    overlong_buffer_length: int,
+    overlong_penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """DAPO soft overlong punishment (arXiv 2503.14476 eq. 13), added to the reward:
+
+    0 for ``len ≤ L - buffer``; ``-(len - (L - buffer)) / buffer · factor`` inside the last ``buffer`` tokens
+    (reaching ``-factor`` at ``len = L``); ``-factor`` beyond ``L``.
+    """
+    if overlong_buffer_length <= 0:
+        raise ValueError(f"overlong_buffer_length={overlong_buffer_length} must be a positive number of tokens")
+    lengths = completion_lengths.to(torch.float32)
+    start = max_completion_length - overlong_buffer_length
+    over = ((lengths - start) / overlong_buffer_length).clamp(min=0.0, max=1.0)
+    return -over * overlong_penalty_factor

@@ -1,0 +1,87 @@
+"""Importance ratios: the policy/behaviour log-ratio at token, sequence and sequence_token level, and the
+sampler/trainer mismatch ratio of a rollout engine (ALGORITHMS.md §1 and §5).
+
+Pure torch; shapes: ``B`` rows, ``T`` padded completion tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+"""Every log-ratio is clamped to ±20 before any ``exp`` so that nothing overflows."""
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def token_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor | None) -> torch.Tensor:
+    """``d[i,t] = clamp(lp - old, -20, 20)``.
+
+    ``old_logps=None`` means exactly on-policy: ``old = sg[lp]``, so every ratio is 1 while the gradient of
+    ``d`` w.r.t. ``lp`` is still 1 (``d = lp - sg[lp]``).
+    """
+    old = logps.detach() if old_logps is None else old_logps.detach()
+    return torch.clamp(logps - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def masked_row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``Σ_t m·x / max(1, Σ_t m)`` per row, shape (B, 1). Empty rows give 0."""
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+
+
+def log_importance_weights(d: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Log importance weight at the chosen level.
+
+    - ``token`` (GRPO/PPO): ``log r[i,t] = d[i,t]``, shape (B, T).
+    - ``sequence`` (GSPO, arXiv 2507.18071 eq. 7): ``log s_i = (1/|o_i|) Σ_t d[i,t]``, the log of the
+      length-normalised sequence ratio ``(π(o_i)/π_old(o_i))^(1/|o_i|)``, shape (B, 1); the gradient reaches
+      every token through the mean.
+    - ``sequence_token`` (GSPO-token, §4.3): ``log s_i,t = sg[log s_i] + lp_t - sg[lp_t]``: numerically the
+      sequence value at every token, but the gradient of each token's term flows only through its own
+      ``lp_t`` (so per-token advantages are allowed), shape (B, T).
+    """
+    if level == "token":
+        return d
+    seq = masked_row_mean(d, mask)
+    if level == "sequence":
+        return seq
+    if level == "sequence_token":
+        return seq.detach() + d - d.detach()
+    raise ValueError(
+        f"importance_sampling_level={level!r} is not supported; allowed: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
+    )
+
+
+@torch.no_grad()
+def sampler_importance_ratio(
+    old_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """Truncated / masked importance ratio between the trainer's behaviour policy and the rollout engine.
+
+    ``δ[i,t] = (old - lp_sampler)·m``. ``token_*``: ``ρ = exp(δ)`` (B, T); ``sequence_*``: ``ρ = exp(Σ_t δ)``
+    (B, 1), the product ratio. ``*_truncate``: ``ρ = clamp(ρ, clip_min, clip_max)`` (TIS);
+    ``*_mask``: ``ρ = ρ·1[clip_min ≤ ρ ≤ clip_max]`` (MIS). An unset bound is ±∞. The result is detached:
+    it multiplies the per-token loss as a constant weight.
+    """
+    if mode not in SAMPLER_CORRECTION_MODES:
+        raise ValueError(
+            f"vllm_importance_sampling_mode={mode!r} is not supported; allowed: {', '.join(SAMPLER_CORRECTION_MODES)}"
+        )
+    delta = torch.nan_to_num(old_logps - sampler_logps, nan=0.0) * mask
+    if mode.startswith("sequence"):
+        delta = delta.sum(-1, keepdim=True)
+    rho = torch.exp(delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return rho.clamp(min=lo, max=hi)
+    keep = (rho >= lo) & (rho <= hi)
+    return rho * keep.to(rho.dtype)

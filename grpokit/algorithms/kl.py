@@ -1,0 +1,23 @@
+"""KL penalty to the reference policy (ALGORITHMS.md §4)."""
+
+from __future__ import annotations
+
+import torch
+
+from .importance import LOG_RATIO_CLAMP
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor, d: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token k3 estimator of ``KL(π_θ ‖ π_ref)`` (Schulman, "Approximating KL divergence"):
+
+    ``x = clamp(ref - lp, -20, 20)``, ``KL = exp(x) - x - 1`` (≥ 0, unbiased under samples from ``π_θ``).
+
+    With ``d`` (the *token-level* log-ratio ``lp - old``, not detached) the DeepSeek-V3.2 bias correction is
+    applied for off-policy samples: ``KL *= exp(clamp(d, -20, 20))``. It stays token level even when the policy
+    loss is sequence level (TRL issue #6586 broadcast the sequence ratio here).
+    """
+    x = torch.clamp(ref_logps.detach() - logps, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kl = torch.exp(x) - x - 1.0
+    if d is not None:
+        kl = kl * torch.exp(torch.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return kl

@@ -1,0 +1,39 @@
+"""Masks that switch parts of the per-token loss off (ALGORITHMS.md §6)."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, (B, 1) of 0/1.
+
+    Keep row ``i`` if ``A_i ≥ 0`` or ``mean_t m·(lp_sampler - sg[lp]) ≤ δ``: negative-advantage sequences that
+    drifted too far from the sampler are dropped. Tokens without a sampler log-prob (NaN) count as 0.
+    """
+    drift = torch.nan_to_num(sampler_logps - logps.detach(), nan=0.0)
+    mean_drift = (drift * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+    return ((adv >= 0) | (mean_drift <= threshold)).to(mask.dtype)
+
+
+@torch.no_grad()
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """Keep only the top ``top_quantile`` fraction of tokens by entropy ("forking tokens", arXiv 2506.01939).
+
+    A token is kept if it is valid and its entropy is ≥ the ``(1 - top_quantile)`` quantile of all valid-token
+    entropies of the batch. Returns (B, T) of 0/1; all zeros when no token is valid.
+    """
+    valid = mask.bool()
+    values = entropies.detach()[valid].float()
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(values, 1.0 - top_quantile)
+    return ((entropies.detach() >= threshold.to(entropies.dtype)) & valid).to(mask.dtype)
