@@ -1,0 +1,99 @@
+"""Prompt data for the trainer: the group-repeating sampler and prompt tokenisation.
+
+No math here: only which prompt rows are visited in which order, and how prompts become token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class GroupRepeatSampler(Sampler[int]):
+    """Yields dataset indices so that each dataloader batch is one generation batch.
+
+    Per generation batch it draws ``prompts_per_batch`` distinct prompts, repeats each index ``num_generations``
+    times consecutively (one row per completion, the group contiguous), and repeats the whole block ``repeats``
+    times (``steps_per_generation × num_iterations``: one dataloader batch per training micro-step; the
+    trainer generates on the first and reuses the rollouts on the others). Shuffled per epoch with
+    ``seed + epoch``, so a resumed run replays the same order. An incomplete last block is dropped.
+    """
+
+    def __init__(
+        self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int = 1,
+        shuffle: bool = True, seed: int = 0,
+    ):
+        if num_prompts < prompts_per_batch:
+            raise ValueError(
+                f"train_dataset has {num_prompts} prompts, fewer than the {prompts_per_batch} prompts of one "
+                f"generation batch (generation_batch_size / num_generations); add prompts or lower the batch"
+            )
+        self.num_prompts = num_prompts
+        self.num_generations = num_generations
+        self.prompts_per_batch = prompts_per_batch
+        self.repeats = repeats
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_prompts, generator=gen).tolist()
+        else:
+            order = list(range(self.num_prompts))
+        p = self.prompts_per_batch
+        for b in range(self.num_prompts // p):
+            block = [i for i in order[b * p:(b + 1) * p] for _ in range(self.num_generations)]
+            for _ in range(self.repeats):
+                yield from block
+
+    def __len__(self) -> int:
+        return (self.num_prompts // self.prompts_per_batch) * self.prompts_per_batch * self.num_generations * self.repeats
+
+
+def is_conversational(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def prompt_text(prompt: Any, tokenizer, chat_template_kwargs: dict | None = None) -> str:
+    """A conversational prompt through the chat template (with the generation prompt); plain text as is."""
+    if is_conversational(prompt):
+        return tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
+    if isinstance(prompt, str):
+        return prompt
+    raise ValueError(
+        f"prompt {prompt!r:.80} is neither a string nor a list of chat messages ({{'role': ..., 'content': ...}})"
+    )
+
+
+def tokenize_prompts(
+    texts: list[str], tokenizer, max_prompt_length: int | None, pad_id: int, conversational: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Token ids, left-padded, left-truncated to ``max_prompt_length``. Returns ``(ids, mask, n_truncated)``.
+
+    Chat-templated text already holds its special tokens, so none are added to it.
+    """
+    rows: list[list[int]] = []
+    truncated = 0
+    for text, conv in zip(texts, conversational):
+        ids = tokenizer(text, add_special_tokens=not conv)["input_ids"]
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            ids = ids[-max_prompt_length:]
+            truncated += 1
+        rows.append(ids)
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask, truncated

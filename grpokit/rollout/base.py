@@ -1,0 +1,63 @@
+"""The rollout interface: a backend turns tokenised prompts into sampled completions.
+
+A backend gets left-padded prompts (one row per completion to sample, the ``G`` rows of a prompt consecutive)
+and returns right-padded completions with their masks. Backends whose sampler differs from the trainer (vLLM)
+also return the sampler's per-token log-probs so the trainer can correct the mismatch (ALGORITHMS.md §5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    do_sample: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific keyword arguments (TRL's ``generation_kwargs``); they override the fields above."""
+
+
+@dataclass
+class RolloutBatch:
+    completion_ids: torch.Tensor
+    """(N, C) sampled tokens, right-padded with the pad id after the first EOS (the EOS itself is kept)."""
+    completion_mask: torch.Tensor
+    """(N, C) 1 for real completion tokens (up to and including the EOS), 0 for padding."""
+    is_truncated: torch.Tensor
+    """(N,) True where no EOS was produced within ``max_new_tokens``."""
+    sampler_logps: torch.Tensor | None = None
+    """(N, C) log-probs of the sampled tokens under the sampler, when it is not the trainer's model."""
+
+
+class RolloutBackend(Protocol):
+    def generate(
+        self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+    ) -> RolloutBatch: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Called after every optimizer step; a backend holding its own copy of the weights refreshes it."""
+        ...
+
+
+def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask every token after the first EOS (the EOS stays in). Returns ``(mask, is_truncated)``."""
+    n, c = completion_ids.shape
+    if c == 0:
+        return completion_ids.new_zeros((n, 0)), torch.ones(n, dtype=torch.bool, device=completion_ids.device)
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for e in eos_ids:
+        is_eos |= completion_ids == e
+    has_eos = is_eos.any(1)
+    first = torch.where(has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, c, dtype=torch.long))
+    positions = torch.arange(c, device=completion_ids.device).expand(n, -1)
+    mask = (positions <= first.unsqueeze(1)).long()
+    return mask, ~has_eos

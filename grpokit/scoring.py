@@ -1,0 +1,136 @@
+"""Calling reward functions and reward models on a batch of completions (TRL's calling convention).
+
+A reward function is called as ``f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+**dataset_columns)`` and returns one ``float`` or ``None`` ("not applicable") per completion. ``async`` functions
+run concurrently. A reward model is a sequence-classification model whose first logit is the reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from typing import Any, Callable
+
+import torch
+
+from .data import is_conversational
+
+
+def reward_func_name(func: Any) -> str:
+    if isinstance(func, torch.nn.Module):
+        name = getattr(getattr(func, "config", None), "_name_or_path", "") or type(func).__name__
+        return name.rstrip("/").split("/")[-1]
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _check_values(name: str, values: Any, n: int) -> list[float]:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().flatten().tolist()
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"reward function {name!r} returned {type(values).__name__}; expected a list of {n} numbers")
+    if len(values) != n:
+        raise ValueError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+    out: list[float] = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(
+                f"reward function {name!r} returned {v!r} ({type(v).__name__}) for row {i}; expected a number or None"
+            )
+        v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(
+                f"reward function {name!r} returned {v} for row {i}; rewards must be finite (return None for "
+                "'not applicable')"
+            )
+        out.append(v)
+    return out
+
+
+@torch.no_grad()
+def _reward_model_scores(model, tokenizer, prompts: list, completions: list) -> list[float]:
+    texts = []
+    for p, c in zip(prompts, completions):
+        if is_conversational(p):
+            texts.append(tokenizer.apply_chat_template(p + c, tokenize=False))
+        else:
+            texts.append(p + c)
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    device = next(model.parameters()).device
+    logits = model(**{k: v.to(device) for k, v in enc.items()}).logits
+    return logits[:, 0].float().cpu().tolist()
+
+
+def score_completions(
+    reward_funcs: list[Any],
+    reward_processing_classes: list[Any],
+    *,
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    rows: list[dict],
+    trainer_state: Any = None,
+) -> torch.Tensor:
+    """Rewards (N, K) of K functions for N completions; ``None`` becomes NaN. Errors name the function."""
+    n = len(completions)
+    columns = {k: [r[k] for r in rows] for k in (rows[0] if rows else {}) if k not in ("prompt", "completion", "completion_ids")}
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                  trainer_state=trainer_state, **columns)
+    results: dict[int, list[float]] = {}
+    pending: dict[int, Any] = {}
+    for k, func in enumerate(reward_funcs):
+        name = reward_func_name(func)
+        if isinstance(func, torch.nn.Module):
+            results[k] = _check_values(name, _reward_model_scores(func, reward_processing_classes[k], prompts, completions), n)
+            continue
+        try:
+            value = func(**kwargs)
+        except Exception as e:
+            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        if inspect.isawaitable(value):
+            pending[k] = value
+        else:
+            results[k] = _check_values(name, value, n)
+    if pending:
+        values = _run_async(list(pending.values()))
+        for (k, _), value in zip(pending.items(), values):
+            name = reward_func_name(reward_funcs[k])
+            if isinstance(value, BaseException):
+                raise RuntimeError(f"reward function {name!r} raised {type(value).__name__}: {value}") from value
+            results[k] = _check_values(name, value, n)
+    return torch.tensor([results[k] for k in range(len(reward_funcs))], dtype=torch.float32).T.reshape(n, len(reward_funcs))
+
+
+def _run_async(awaitables: list) -> list:
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    # Called from inside a running loop (a notebook): run in a private loop on a worker thread.
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def resolve_reward_funcs(reward_funcs: Any, lookup: Callable[[str], Any]) -> list[Any]:
+    """A single function or a list; strings are resolved by ``lookup`` (built-in names, ``module:function``,
+    or a reward model id/path)."""
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty; give at least one reward function or reward model")
+    out = []
+    for f in funcs:
+        if isinstance(f, str):
+            f = lookup(f)
+        if not (callable(f) or isinstance(f, torch.nn.Module)):
+            raise ValueError(f"reward_funcs entry {f!r} is neither callable nor a model")
+        out.append(f)
+    return out
