@@ -55,8 +55,10 @@ class GRPOConfig(transformers.TrainingArguments):
     # Changed TrainingArguments defaults (as TRL)
     learning_rate: float = field(default=1e-6, metadata=_meta("AdamW initial learning rate."))
     logging_steps: float = field(default=10, metadata=_meta("Log every X optimizer steps."))
-    gradient_checkpointing: bool = field(
-        default=True, metadata=_meta("Trade compute for memory by recomputing activations in backward.")
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata=_meta("Recompute activations in backward to save memory (TRL's name of activation_checkpointing; "
+                       "default True as in TRL)."),
     )
     bf16: bool | None = field(
         default=None,
@@ -217,6 +219,14 @@ class GRPOConfig(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:
         self._validate_own_fields()
+        # TRL users write gradient_checkpointing; transformers 5 calls it activation_checkpointing. Map it here so
+        # neither a deprecation warning nor TRL's default (True) hides the user's choice.
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = True if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
+        if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is not None:
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
+        self.gradient_checkpointing = self.activation_checkpointing
+        self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
         if self.warmup_ratio is not None and not self.warmup_steps:
             self.warmup_steps = float(self.warmup_ratio)
         if self.bf16 is None:

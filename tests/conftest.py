@@ -1,0 +1,52 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+
+from grpokit.rollout.base import RolloutBatch, completion_mask_from_eos  # noqa: E402
+
+
+class FixedRollout:
+    """A deterministic rollout backend: random tokens from a seeded generator (one draw per call), with an EOS
+    at a random position in some rows. Two trainers given the same seed see identical rollouts."""
+
+    def __init__(self, tokenizer, seed: int = 0, eos_prob: float = 0.5, sampler_noise: float | None = None):
+        self.tokenizer = tokenizer
+        self.gen = torch.Generator().manual_seed(seed)
+        self.eos_prob = eos_prob
+        self.sampler_noise = sampler_noise
+        self.synced = 0
+
+    def generate(self, model, prompt_ids, prompt_mask, params):
+        n, c = prompt_ids.shape[0], params.max_new_tokens
+        ids = torch.randint(10, len(self.tokenizer), (n, c), generator=self.gen)
+        eos_pos = torch.randint(1, c + 1, (n,), generator=self.gen)
+        has_eos = torch.rand(n, generator=self.gen) < self.eos_prob
+        for i in range(n):
+            if has_eos[i] and eos_pos[i] < c:
+                ids[i, eos_pos[i]] = self.tokenizer.eos_token_id
+        mask, truncated = completion_mask_from_eos(ids, [self.tokenizer.eos_token_id])
+        ids = ids.masked_fill(mask == 0, self.tokenizer.pad_token_id)
+        sampler_logps = None
+        if self.sampler_noise is not None:
+            sampler_logps = -torch.rand(n, c, generator=self.gen) * 3 - self.sampler_noise
+        return RolloutBatch(ids, mask, truncated, sampler_logps)
+
+    def sync_weights(self, model):
+        self.synced += 1
+
+
+@pytest.fixture
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def model(tokenizer):
+    return tiny_model(tokenizer)
