@@ -1,0 +1,59 @@
+"""Rich table of sample completions (for ``log_completions=True``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from ._util import as_text, to_float, truncate
+
+
+def _seq(x: Any) -> list:
+    if x is None:
+        return []
+    tolist = getattr(x, "tolist", None)
+    if callable(tolist):
+        x = tolist()
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _cell(v: Any) -> str:
+    f = to_float(v)
+    if f is None:
+        return "—" if v is None else str(v)
+    return "nan" if not math.isfinite(f) else f"{f:.2f}"
+
+
+def log_completions_table(prompts: Sequence[Any], completions: Sequence[Any], rewards: dict[str, Sequence[float]],
+                          advantages: Sequence[float] | Any, step: int, max_rows: int = 8, *, console=None,
+                          max_prompt_chars: int = 200, max_completion_chars: int = 400):
+    """Print a rich table (prompt, completion, one column per reward function, advantage) of the first
+    ``max_rows`` samples at ``step``; returns the ``rich.table.Table``. Text is never parsed as rich markup.
+    Prompts/completions may be strings or chat-message lists; rewards/advantages lists or tensors."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    prompts, completions = _seq(prompts), _seq(completions)
+    reward_cols = {str(name): _seq(vals) for name, vals in (rewards or {}).items()}
+    adv = _seq(advantages)
+    n = min(len(prompts), len(completions)) if prompts else len(completions)
+    shown = min(n, max_rows) if max_rows is not None else n
+
+    table = Table(title=f"Completions @ step {step}" + (f" (first {shown} of {n})" if shown < n else ""),
+                  show_lines=True, expand=True, title_justify="left")
+    table.add_column("prompt", ratio=2, overflow="fold")
+    table.add_column("completion", ratio=4, overflow="fold")
+    for name in reward_cols:
+        table.add_column(name, justify="right", no_wrap=True)
+    if adv:
+        table.add_column("advantage", justify="right", no_wrap=True)
+    for i in range(shown):
+        row = [Text(truncate(as_text(prompts[i]) if i < len(prompts) else "", max_prompt_chars)),
+               Text(truncate(as_text(completions[i]), max_completion_chars))]
+        row += [_cell(vals[i] if i < len(vals) else None) for vals in reward_cols.values()]
+        if adv:
+            row.append(_cell(adv[i] if i < len(adv) else None))
+        table.add_row(*row)
+    (console or Console()).print(table)
+    return table

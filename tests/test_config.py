@@ -1,0 +1,109 @@
+"""GRPOConfig: TRL parity, the Unsloth GSPO config verbatim, and one clear error per wrong value."""
+
+import dataclasses
+import warnings
+
+import pytest
+
+from grpokit.config import UNSUPPORTED_FIELDS, GRPOConfig
+
+UNSLOTH_GSPO = dict(
+    importance_sampling_level="sequence", loss_type="dr_grpo", epsilon=3e-4, epsilon_high=4e-4, optim="adamw_8bit",
+    max_prompt_length=1024, per_device_train_batch_size=8, gradient_accumulation_steps=4, learning_rate=5e-6,
+    adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.1, warmup_ratio=0.1, lr_scheduler_type="cosine",
+    num_generations=8, max_completion_length=1024, log_completions=False, max_grad_norm=0.1, temperature=0.9,
+    num_train_epochs=2, report_to="none",
+)
+
+
+def cfg(tmp_path, **kw):
+    return GRPOConfig(output_dir=str(tmp_path), **kw)
+
+
+def test_unsloth_gspo_config_verbatim(tmp_path):
+    c = cfg(tmp_path, **UNSLOTH_GSPO)
+    assert c.importance_sampling_level == "sequence" and c.loss_type == "dr_grpo"
+    assert (c.epsilon, c.epsilon_high) == (3e-4, 4e-4)
+    assert c.max_prompt_length == 1024
+    assert c.warmup_steps == 0.1  # warmup_ratio (removed from transformers 5) becomes a fractional warmup
+    assert c.generation_batch_size == 32 and c.steps_per_generation == 4
+    assert "adamw_8bit" in str(c.optim).lower() or c.optim.value == "adamw_8bit"
+
+
+def test_every_trl_field_is_accepted_with_trl_default(tmp_path):
+    trl = pytest.importorskip("trl")
+    ours = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    theirs = [f for f in dataclasses.fields(trl.GRPOConfig)]
+    missing = [f.name for f in theirs if f.name not in ours]
+    assert missing == []
+    skip = {"gradient_checkpointing", "bf16", "remove_unused_columns", "pad_to_multiple_of", "include_for_metrics"}
+    for f in theirs:
+        if f.name in skip or f.default is dataclasses.MISSING:
+            continue
+        assert ours[f.name].default == f.default, f.name
+    c = cfg(tmp_path)
+    assert c.gradient_checkpointing is True and c.loss_type == "dapo" and c.beta == 0.0 and c.learning_rate == 1e-6
+    assert c.use_bias_correction_kl is True and c.scale_rewards == "group" and c.num_generations == 8
+
+
+def test_gradient_checkpointing_choice_is_kept_without_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert cfg(tmp_path, gradient_checkpointing=False).gradient_checkpointing is False
+        assert cfg(tmp_path).gradient_checkpointing is True
+
+
+@pytest.mark.parametrize("value,expected", [(True, "group"), (False, "none"), ("batch", "batch")])
+def test_scale_rewards_booleans(tmp_path, value, expected):
+    assert cfg(tmp_path, scale_rewards=value).scale_rewards == expected
+
+
+BAD = [
+    (dict(loss_type="ppo"), "loss_type='ppo'", "'dapo'"),
+    (dict(importance_sampling_level="seq"), "importance_sampling_level='seq'", "'sequence_token'"),
+    (dict(epsilon=-0.1), "epsilon=-0.1", "(0, inf)"),
+    (dict(epsilon=0.3, epsilon_high=0.2), "epsilon_high=0.2", "inverted"),
+    (dict(epsilon_high=0.0), "epsilon_high=0.0", "(0, inf)"),
+    (dict(num_generations=1), "num_generations=1", "[2, inf)"),
+    (dict(num_generations=3), "num_generations 3", "not a multiple"),
+    (dict(generation_batch_size=12), "generation_batch_size 12", "not a multiple of the global batch 8"),
+    (dict(generation_batch_size=16, steps_per_generation=2), "generation_batch_size=16", "set only one"),
+    (dict(top_entropy_quantile=0.0), "top_entropy_quantile=0.0", "(0, 1]"),
+    (dict(top_entropy_quantile=1.5), "top_entropy_quantile=1.5", "(0, 1]"),
+    (dict(temperature=0.0), "temperature=0.0", "(0, inf)"),
+    (dict(top_p=1.2), "top_p=1.2", "(0, 1]"),
+    (dict(beta=-1.0), "beta=-1.0", "[0, inf)"),
+    (dict(delta=1.1), "delta=1.1", "(1.2, inf)"),
+    (dict(scale_rewards="std"), "scale_rewards='std'", "'group'"),
+    (dict(multi_objective_aggregation="mean"), "multi_objective_aggregation='mean'", "'normalize_then_sum'"),
+    (dict(advantage_estimator="ppo"), "advantage_estimator='ppo'", "'rloo'"),
+    (dict(vllm_mode="remote"), "vllm_mode='remote'", "'server'"),
+    (dict(vllm_importance_sampling_mode="tok"), "vllm_importance_sampling_mode='tok'", "'token_mask'"),
+    (dict(loss_type="vespo", use_vllm=True), "vllm_importance_sampling_mode='sequence_mask'", "'token_mask'"),
+    (dict(vllm_importance_sampling_clip_min=3.0), "vllm_importance_sampling_clip_min=3.0", "smaller"),
+    (dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None),
+     "vllm_importance_sampling_mode='token_truncate'", "needs a bound"),
+    (dict(max_completion_length=0), "max_completion_length=0", "[1, inf)"),
+    (dict(max_prompt_length=0), "max_prompt_length=0", "[1, inf)"),
+    (dict(num_iterations=0), "num_iterations=0", "[1, inf)"),
+    (dict(reward_weights=["a"]), "reward_weights=['a']", "list of finite numbers"),
+    (dict(off_policy_mask_threshold=-1.0), "off_policy_mask_threshold=-1.0", "[0, inf)"),
+    (dict(warmup_ratio=1.5), "warmup_ratio=1.5", "[0, 1)"),
+    (dict(overlong_buffer_length=600), "overlong_buffer_length=600", "[1, 512]"),
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True", "not supported"),
+    (dict(top_k=-1), "top_k=-1", "[0, inf)"),
+    (dict(epsilon=1.5), "epsilon=1.5", "(0, 1)"),
+    (dict(generation_kwargs="{bad json"), "generation_kwargs=", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("kwargs,names,allowed", BAD, ids=[str(b[0]) for b in BAD])
+def test_wrong_values_raise_one_clear_error(tmp_path, kwargs, names, allowed):
+    with pytest.raises(ValueError) as e:
+        cfg(tmp_path, **kwargs)
+    assert names in str(e.value) and allowed in str(e.value)
+
+
+def test_unsupported_fields_listed_are_real_trl_fields():
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(UNSUPPORTED_FIELDS) <= names
