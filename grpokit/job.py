@@ -1,0 +1,263 @@
+"""A whole training job from one spec (a YAML file's contents or the demo's preset): validate everything before
+any model is loaded, evaluate before, train, evaluate after, write the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .config import GRPOConfig
+
+logger = logging.getLogger("grpokit")
+
+JOB_KEYS = {
+    "model": "model id, local directory, .gguf file, or smollm2-135m-instruct (the embedded model)",
+    "task": "a built-in task name (see `grpokit tasks`)",
+    "dataset": "a local JSONL/Parquet/CSV file with prompt and answer columns",
+    "reward_funcs": "built-in reward names or module:function (default: the task's)",
+    "lora": "LoRA settings: r, alpha, dropout, target_modules (default all-linear)",
+    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true)",
+    "time_budget_s": "stop training after this many seconds of training wall time",
+    "task_args": "extra keyword arguments for the task (e.g. seed, n_eval)",
+}
+
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "grpo": {"loss_type": "grpo"},
+    "dapo": {"loss_type": "dapo", "epsilon_high": 0.28},
+    "dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
+    "bnpo": {"loss_type": "bnpo"},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
+    "gspo_token": {"loss_type": "grpo", "importance_sampling_level": "sequence_token", "epsilon": 3e-4,
+                   "epsilon_high": 4e-4},
+    "vespo": {"loss_type": "vespo"},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 5.0},
+    "sapo": {"loss_type": "sapo"},
+    "gmpo": {"loss_type": "gmpo", "epsilon": 0.4, "epsilon_high": 0.4},
+    "luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+}
+"""Named recipes: the GRPOConfig fields that make each algorithm (``grpokit demo --algo NAME``)."""
+
+
+class JobError(ValueError):
+    """A wrong job spec: the CLI prints it in one line and exits 2."""
+
+
+def config_fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(GRPOConfig) if f.init}
+
+
+def _type_name(field: dataclasses.Field) -> str:
+    t = field.type
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def coerce_value(name: str, value: Any, field: dataclasses.Field) -> Any:
+    """Check a YAML value against the field's type; numbers written as strings (YAML reads ``1e-5`` as a string)
+    become numbers. Raises :class:`JobError` naming the field, the value and the expected type."""
+    t = _type_name(field).replace(" ", "")
+    parts = set(t.replace("Optional[", "").replace("]", "").split("|"))
+    if value is None:
+        if "None" in parts or field.default is None:
+            return None
+        raise JobError(f"{name}=None is not allowed: expected {t}")
+    if "bool" in parts and isinstance(value, bool):
+        return value
+    if parts & {"float", "int"} and not isinstance(value, bool):
+        if isinstance(value, (int, float)):
+            return int(value) if parts == {"int"} and float(value).is_integer() else value
+        if isinstance(value, str) and not parts & {"str"}:
+            try:
+                number = float(value)
+            except ValueError:
+                raise JobError(f"{name}={value!r} is not allowed: expected {t}") from None
+            return int(number) if "float" not in parts and number.is_integer() else number
+    if parts <= {"bool", "None"} and not isinstance(value, bool):
+        raise JobError(f"{name}={value!r} is not allowed: expected true or false")
+    if parts <= {"int", "None"} and not isinstance(value, int):
+        raise JobError(f"{name}={value!r} is not allowed: expected an integer")
+    if parts <= {"float", "None"} and not isinstance(value, (int, float)):
+        raise JobError(f"{name}={value!r} is not allowed: expected a number")
+    return value
+
+
+def split_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate job keys from GRPOConfig fields, rejecting unknown keys with a suggestion."""
+    if not isinstance(spec, dict):
+        raise JobError(f"the config must be a mapping of field: value, got {type(spec).__name__}")
+    fields = config_fields()
+    job, cfg = {}, {}
+    for key, value in spec.items():
+        if key in JOB_KEYS:
+            job[key] = value
+        elif key in fields:
+            cfg[key] = coerce_value(key, value, fields[key])
+        else:
+            close = difflib.get_close_matches(str(key), list(fields) + list(JOB_KEYS), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise JobError(f"unknown config key {key!r}{hint} (GRPOConfig fields and: {', '.join(JOB_KEYS)})")
+    if "model" not in job:
+        raise JobError("the config has no 'model' (e.g. model: smollm2-135m-instruct)")
+    if ("task" in job) == ("dataset" in job):
+        raise JobError("the config needs exactly one of 'task' (a built-in task) or 'dataset' (a local file)")
+    return job, cfg
+
+
+class TimeBudget(TrainerCallback):
+    """Stop training once ``seconds`` of training wall time have passed (checked after each optimizer step)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.start is not None and time.perf_counter() - self.start >= self.seconds:
+            control.should_training_stop = True
+        return control
+
+
+def prepare(spec: dict[str, Any]):
+    """Everything that can fail on bad input, before a model is loaded: config, task, reward functions.
+    Any such failure is a :class:`JobError`."""
+    try:
+        return _prepare(spec)
+    except JobError:
+        raise
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        raise JobError(str(e)) from None
+
+
+def _prepare(spec: dict[str, Any]):
+    from .rewards import get_reward_func
+    from .tasks import get_task
+
+    job, cfg_kwargs = split_spec(spec)
+    cfg_kwargs.setdefault("output_dir", "runs/grpokit")
+    config = GRPOConfig(**cfg_kwargs)
+    task_args = dict(job.get("task_args") or {})
+    if "task" in job:
+        task = get_task(job["task"], **task_args)
+    else:
+        task = get_task(f"file:{job['dataset']}", **task_args)
+    reward_funcs = task.reward_funcs
+    if job.get("reward_funcs"):
+        names = job["reward_funcs"]
+        names = [names] if isinstance(names, str) else names
+        reward_funcs = [get_reward_func(n) for n in names]
+    lora = job.get("lora")
+    if lora is not None and not isinstance(lora, dict):
+        raise JobError(f"lora={lora!r} is not allowed: expected a mapping like {{r: 16, alpha: 32}}")
+    ev = {"n": 128, "before": True, "after": True, "max_new_tokens": config.max_completion_length, "greedy": True}
+    unknown = set(job.get("eval") or {}) - set(ev)
+    if unknown:
+        raise JobError(f"unknown eval key(s) {sorted(unknown)}; allowed: {sorted(ev)}")
+    ev.update(job.get("eval") or {})
+    budget = job.get("time_budget_s")
+    if budget is not None and (not isinstance(budget, (int, float)) or budget <= 0):
+        raise JobError(f"time_budget_s={budget!r} is not allowed: expected a positive number of seconds")
+    return job, config, task, reward_funcs, lora, ev
+
+
+def lora_config(lora: dict[str, Any]):
+    from peft import LoraConfig
+
+    allowed = {"r", "alpha", "dropout", "target_modules"}
+    unknown = set(lora) - allowed
+    if unknown:
+        raise JobError(f"unknown lora key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    r = int(lora.get("r", 16))
+    return LoraConfig(r=r, lora_alpha=int(lora.get("alpha", 2 * r)), lora_dropout=float(lora.get("dropout", 0.0)),
+                      target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM")
+
+
+def run_job(spec: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
+    """Run a whole job; returns the report dict (also written to ``output_dir/report.json``)."""
+    import transformers
+
+    from .evaluation import evaluate
+    from .models import load_model, load_tokenizer
+    from .reporting import MetricsJsonlCallback, ProgressCallback, write_report
+    from .trainer import GRPOTrainer
+
+    wall_start = time.perf_counter()
+    job, config, task, reward_funcs, lora, ev = prepare(spec)
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    transformers.set_seed(config.seed)
+
+    try:
+        model = load_model(job["model"], trust_remote_code=config.trust_remote_code)
+        tokenizer = load_tokenizer(job["model"], trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise JobError(f"model {job['model']!r} could not be loaded: {e}") from None
+    eval_kwargs = dict(accuracy_reward=task.accuracy_reward, max_new_tokens=int(ev["max_new_tokens"]),
+                       greedy=bool(ev["greedy"]), temperature=config.temperature, n=int(ev["n"]),
+                       max_prompt_length=config.max_prompt_length)
+    eval_before = samples_before = eval_after = samples_after = None
+    if ev["before"] and task.eval_dataset is not None:
+        say(quiet, f"evaluating the model before training on {min(ev['n'], len(task.eval_dataset))} held-out prompts")
+        eval_before, samples_before = evaluate(model, tokenizer, task.eval_dataset, reward_funcs, **eval_kwargs)
+        say(quiet, _eval_line("before", eval_before))
+
+    peft_config = lora_config(lora) if lora is not None else None
+    trainer = GRPOTrainer(model, reward_funcs, args=config, train_dataset=task.train_dataset,
+                          processing_class=tokenizer, peft_config=peft_config)
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+    trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
+    trainer.add_callback(MetricsJsonlCallback(str(out)))
+    trainer.add_callback(ProgressCallback(quiet=quiet))
+    if job.get("time_budget_s"):
+        trainer.add_callback(TimeBudget(float(job["time_budget_s"])))
+    train_start = time.perf_counter()
+    trainer.train()
+    train_time = time.perf_counter() - train_start
+    trainer.save_model(str(out / "final"))
+
+    if ev["after"] and task.eval_dataset is not None:
+        say(quiet, "evaluating the trained model")
+        eval_after, samples_after = evaluate(trainer.model, tokenizer, task.eval_dataset, reward_funcs, **eval_kwargs)
+        say(quiet, _eval_line("after", eval_after))
+
+    cfg_dict = {k: v for k, v in config.to_dict().items() if _jsonable(v)}
+    cfg_dict.update(model=job["model"], task=job.get("task") or job.get("dataset"), lora=lora,
+                    steps=trainer.state.global_step)
+    write_report(str(out), config=cfg_dict, eval_before=eval_before, eval_after=eval_after,
+                 samples_before=samples_before, samples_after=samples_after,
+                 wall_time_s=time.perf_counter() - wall_start, train_time_s=train_time,
+                 extra={"task": task.name, "description": task.description})
+    report = json.loads((out / "report.json").read_text())
+    say(quiet, f"report: {out / 'report.md'}")
+    return report
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+def _eval_line(label: str, e: dict[str, Any]) -> str:
+    acc = e.get("accuracy")
+    parts = [f"{label}: reward {e['reward_mean']:.3f}"]
+    if acc is not None:
+        lo, hi = e["accuracy_ci95"]
+        parts.append(f"accuracy {acc:.1%} (95% CI {lo:.1%}–{hi:.1%}, n={e['n']})")
+    if "format_rate" in e:
+        parts.append(f"format {e['format_rate']:.1%}")
+    return " | ".join(parts)
+
+
+def say(quiet: bool, message: str) -> None:
+    """Job milestones are printed even with --quiet (which only drops the live progress bar)."""
+    print(message, flush=True)
