@@ -1,7 +1,33 @@
 """grpokit: GRPO-family RL fine-tuning of language models with a TRL-compatible interface."""
 
+import logging as _logging
+
 __version__ = "0.1.0"
+
+# bitsandbytes logs a warning on every import on CPUs with AVX512-BF16 about an optional 4-bit kernel package;
+# grpokit never uses 4-bit CPU kernels, so drop that one message (and nothing else).
+_logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
+)
 
 from .algorithms import compute_advantages, policy_loss  # noqa: E402
 
-__all__ = ["compute_advantages", "policy_loss", "__version__"]
+
+def __getattr__(name):  # heavy imports (transformers) only when asked for
+    if name == "GRPOConfig":
+        from .config import GRPOConfig
+
+        return GRPOConfig
+    if name == "GRPOTrainer":
+        from .trainer import GRPOTrainer
+
+        return GRPOTrainer
+    if name in ("load_model", "load_tokenizer"):
+        from . import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'grpokit' has no attribute {name!r}")
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "compute_advantages", "load_model", "load_tokenizer", "policy_loss",
+           "__version__"]
