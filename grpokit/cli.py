@@ -54,6 +54,23 @@ def _parse_set(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _unique_key_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1})", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Loader
+
+
 def _load_yaml(path: str) -> dict[str, Any]:
     import yaml
 
@@ -63,7 +80,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise JobError(f"config file {path!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_unique_key_loader())
     except yaml.YAMLError as e:
         raise JobError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
     if data is None:
