@@ -63,6 +63,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _where(cond: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
+    """``torch.where`` of two hyper-parameters in ``like``'s dtype (python floats would pass through float32)."""
+    true = torch.tensor(if_true, dtype=like.dtype, device=like.device)
+    false = torch.tensor(if_false, dtype=like.dtype, device=like.device)
+    return torch.where(cond, true, false)
+
+
 def _clip_metrics(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     return {
         "clip_ratio/low_mean": masked_mean(low, mask),
@@ -108,7 +115,7 @@ def sapo_loss(c: LossContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     the unclipped surrogate's, and it decays smoothly as ``r`` leaves 1.
     """
     r = torch.exp(c.log_w)
-    tau = torch.where(c.A > 0, c.sapo_temperature_pos, c.sapo_temperature_neg).to(r.dtype)
+    tau = _where(c.A > 0, c.sapo_temperature_pos, c.sapo_temperature_neg, r)
     loss = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * c.A
     return loss, {}
 
@@ -127,8 +134,8 @@ def vespo_weights(c: LossContext) -> tuple[torch.Tensor, torch.Tensor]:
         seq = seq + (log_rho * c.mask).sum(-1, keepdim=True)
     log_w = seq.clamp(low, LOG_RATIO_CLAMP)
     nonneg = c.A >= 0
-    k = torch.where(nonneg, c.vespo_k_pos, c.vespo_k_neg).to(log_w.dtype)
-    lam = torch.where(nonneg, c.vespo_lambda_pos, c.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    k = _where(nonneg, c.vespo_k_pos, c.vespo_k_neg, log_w)
+    lam = _where(nonneg, c.vespo_lambda_pos, c.vespo_lambda_neg, log_w).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0), log_w
 

@@ -32,8 +32,11 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile:
     entropies of the batch. Returns (B, T) of 0/1; all zeros when no token is valid.
     """
     valid = mask.bool()
-    values = entropies.detach()[valid].float()
+    # Threshold and comparison both in float32: a float64 entropy equal to the quantile (or to it up to the rounding
+    # of 1 - top_quantile) is kept, and bf16 entropies are not compared against a bf16-rounded threshold.
+    ent = entropies.detach().float()
+    values = ent[valid]
     if values.numel() == 0:
         return torch.zeros_like(mask)
     threshold = torch.quantile(values, 1.0 - top_quantile)
-    return ((entropies.detach() >= threshold.to(entropies.dtype)) & valid).to(mask.dtype)
+    return ((ent >= threshold) & valid).to(mask.dtype)

@@ -126,10 +126,11 @@ def policy_loss(
     _check_2d("entropies", entropies, shape)
     _check_2d("sampler_logps", sampler_logps, shape)
     _check_2d("sampler_ratio", sampler_ratio, shape, allow_row=True)
+    given_shape = tuple(advantages.shape)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     if tuple(advantages.shape) != (shape[0], 1):
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({shape[0]},) or ({shape[0]}, 1)")
+        raise ValueError(f"advantages has shape {given_shape}; expected ({shape[0]},) or ({shape[0]}, 1)")
     if loss_type == "vespo" and sampler_ratio is not None and sampler_ratio.shape[-1] == 1 and shape[-1] != 1:
         raise ValueError(
             f"sampler_ratio has shape {tuple(sampler_ratio.shape)} (sequence level), which VESPO cannot use: it would "
