@@ -1,0 +1,51 @@
+"""``arithmetic``: small additions and subtractions, the task of the demo (docs/DEMO_NOTES.md)."""
+
+from __future__ import annotations
+
+import random
+
+from ..rewards import correctness, format_reward
+from .base import ANSWER_INSTRUCTION, Task, split_holdout, user_turn
+
+__all__ = ["arithmetic_questions", "make_arithmetic_task"]
+
+MAX_OPERAND = 20
+
+DESCRIPTION = (
+    "Add or subtract two whole numbers from 0 to 20 (a + b, and a - b with a > b, so no answer is "
+    "negative): 651 distinct questions, shuffled by the seed, the first n_eval held out. The user turn "
+    "is \"What is {a} {op} {b}? " + ANSWER_INSTRUCTION + "\". Rewards: correctness 1.0 when the number "
+    "after the last 'Answer:' is right, format 0.2 when the reply ends with 'Answer: <number>'. "
+    "SmolLM2-135M-Instruct gets about 2% right greedily before training (docs/DEMO_NOTES.md)."
+)
+
+
+def arithmetic_questions(max_operand: int = MAX_OPERAND) -> list[tuple[int, str, int, int]]:
+    """Every question as ``(a, op, b, answer)``, in a fixed order, before shuffling.
+
+    All sums ``a + b`` (a, b in 0..max_operand) and the differences ``a - b`` with ``a > b``: 441 + 210
+    = 651 for max_operand 20, the count docs/DEMO_NOTES.md gives. (Allowing ``a == b`` would add the
+    21 questions ``x - x`` and give 672.)
+    """
+    questions = [(a, "+", b, a + b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    questions += [(a, "-", b, a - b) for a in range(max_operand + 1) for b in range(a)]
+    return questions
+
+
+def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128) -> Task:
+    questions = arithmetic_questions()
+    random.Random(seed).shuffle(questions)
+    rows = [
+        {"prompt": user_turn(f"What is {a} {op} {b}? {ANSWER_INSTRUCTION}"), "answer": str(result)}
+        for a, op, b, result in questions
+    ]
+    train, held_out = split_holdout(rows, n_eval, "arithmetic")
+    return Task(
+        name="arithmetic",
+        train_dataset=train,
+        eval_dataset=held_out,
+        reward_funcs=[correctness, format_reward],
+        accuracy_reward="correctness",
+        description=DESCRIPTION,
+        metadata={"seed": seed, "n_eval": n_eval, "n_questions": len(rows)},
+    )
