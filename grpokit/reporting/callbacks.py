@@ -178,8 +178,9 @@ class ProgressCallback(TrainerCallback):
     world-process-zero prints. Use it *instead of* transformers' ``PrinterCallback``/``ProgressCallback``.
     """
 
-    def __init__(self, quiet: bool = False):
+    def __init__(self, quiet: bool = False, time_budget_s: float | None = None):
         self.quiet = quiet
+        self.time_budget_s = time_budget_s  # a run stopped by time: the ETA is the smaller of steps and time
         self._progress = None
         self._task = None
         self._t0: float | None = None
@@ -274,6 +275,9 @@ class ProgressCallback(TrainerCallback):
         if max_steps and step < max_steps:
             per = sps if sps is not None else _num(logs, "step_time")
             eta = None if per is None else per * (max_steps - step)
+            if self.time_budget_s is not None and self._t0 is not None:
+                left = max(0.0, self.time_budget_s - (time.perf_counter() - self._t0))
+                eta = left if eta is None else min(eta, left)
         self._print(format_log_line(logs, step, max_steps, sec_per_step=sps, eta_s=eta))
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -126,7 +126,8 @@ def _summary_md(before: dict | None, after: dict | None, improvement: dict | Non
                  f"| {_signed(imp.get('reward_mean'))} |")
     lines.append(f"| accuracy | {_acc_cell(before)} | {_acc_cell(after)} | {_signed(imp.get('accuracy'))} |")
     extra_keys = [k for k in dict.fromkeys([*(before or {}), *(after or {})])
-                  if k not in ("reward_mean", "accuracy", "accuracy_ci95", "n")
+                  if k not in ("reward_mean", "accuracy", "accuracy_ci95", "n", "seconds")
+                  and not isinstance((before or {}).get(k, (after or {}).get(k)), bool)
                   and (_num(before, k) is not None or _num(after, k) is not None)]
     for k in extra_keys:
         b, a = _num(before, k), _num(after, k)

@@ -1,0 +1,166 @@
+"""Rollouts with vLLM (GPU): ``vllm_mode="colocate"`` runs a ``vllm.LLM`` in the training process, sharing the
+GPU; ``vllm_mode="server"`` talks to a ``trl vllm-serve`` server through TRL's own client.
+
+vLLM samples with its own kernels, so its log-probs differ slightly from the trainer's: the backend returns them
+(``sampler_logps``) and the trainer applies the mismatch correction of ALGORITHMS.md §5. After every optimizer
+step the trainer calls :meth:`VLLMRollout.sync_weights`, which pushes the current weights (LoRA merged in).
+
+Both engines are optional: ``pip install grpokit[vllm]`` (and ``trl`` for server mode).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from .base import RolloutBatch, SamplingParams
+
+
+def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """Our sampling settings in vLLM's terms (top_k 0 → -1 = off, min_p None → 0), with the sampled token's
+    log-prob requested (``logprobs=0``)."""
+    kwargs = dict(
+        n=1,
+        temperature=params.temperature if params.do_sample else 0.0,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k else -1,
+        min_p=params.min_p or 0.0,
+        repetition_penalty=params.repetition_penalty,
+        max_tokens=params.max_new_tokens,
+        logprobs=0,
+    )
+    kwargs.update(params.extra)
+    return kwargs
+
+
+def pad_rollouts(
+    completions: list[list[int]], logps: list[list[float]], truncated: list[bool], pad_id: int
+) -> RolloutBatch:
+    """Lists from an engine → right-padded tensors with a mask (every produced token counts, the EOS included)."""
+    n = len(completions)
+    width = max((len(c) for c in completions), default=0)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    lp = torch.zeros((n, width), dtype=torch.float32)
+    for i, (c, l) in enumerate(zip(completions, logps)):
+        if len(l) != len(c):
+            raise ValueError(f"the engine returned {len(l)} log-probs for {len(c)} tokens in row {i}")
+        ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[i, :len(c)] = 1
+        lp[i, :len(c)] = torch.tensor(l, dtype=torch.float32)
+    return RolloutBatch(ids, mask, torch.tensor(truncated, dtype=torch.bool), lp)
+
+
+@contextmanager
+def engine_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The model's weights under the names of the plain base model, valid inside the ``with`` block: a PEFT
+    model's adapters are merged in for the block (no copy of the model is made) and unmerged after it."""
+    peft = hasattr(model, "merge_adapter") and getattr(model, "peft_config", None)
+    if peft:
+        model.merge_adapter()
+    try:
+        prefix = "base_model.model."
+        weights = []
+        for name, tensor in model.state_dict().items():
+            if peft:
+                if "lora_" in name or ".original_module." in name:
+                    continue  # adapters are merged; the trained copy of a modules_to_save layer is used
+                name = name.removeprefix(prefix).replace(".base_layer", "").replace(".modules_to_save.default", "")
+            weights.append((name, tensor.detach()))
+        yield weights
+    finally:
+        if peft:
+            model.unmerge_adapter()
+
+
+class VLLMRollout:
+    """The vLLM backend (see the module docstring). ``llm`` / ``client`` may be given (tests pass fakes)."""
+
+    def __init__(self, model_name_or_path: str, tokenizer, args, *, process_index: int = 0, llm=None, client=None,
+                 sampling_params_cls=None):
+        self.mode = args.vllm_mode
+        self._sampling_params_cls = sampling_params_cls
+        self.tokenizer = tokenizer
+        self.eos_ids = {tokenizer.eos_token_id}
+        if self.mode == "colocate":
+            self.llm = llm if llm is not None else self._make_llm(model_name_or_path, args, process_index)
+            self.client = None
+        else:
+            self.client = client if client is not None else self._make_client(args)
+            self.llm = None
+
+    @staticmethod
+    def _make_llm(model_name_or_path: str, args, process_index: int):
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError("use_vllm=True needs vLLM: pip install 'grpokit[vllm]' (GPU only)") from e
+        return LLM(
+            model=model_name_or_path,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_len=args.vllm_max_model_length,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            model_impl=args.vllm_model_impl,
+            distributed_executor_backend="external_launcher",
+            seed=process_index // args.vllm_tensor_parallel_size,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+            trust_remote_code=args.trust_remote_code,
+        )
+
+    @staticmethod
+    def _make_client(args):
+        try:
+            from trl.generation.vllm_client import VLLMClient
+        except ImportError as e:
+            raise ImportError(
+                "vllm_mode='server' talks to `trl vllm-serve` through TRL's client: pip install trl vllm"
+            ) from e
+        client = VLLMClient(base_url=args.vllm_server_base_url, host=args.vllm_server_host,
+                            server_port=args.vllm_server_port, group_port=args.vllm_group_port,
+                            connection_timeout=args.vllm_server_timeout)
+        client.init_communicator()
+        return client
+
+    def generate(self, model, prompt_ids, prompt_mask, params: SamplingParams) -> RolloutBatch:
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        kwargs = vllm_sampling_kwargs(params)
+        if self.mode == "colocate":
+            if self._sampling_params_cls is None:
+                from vllm import SamplingParams as VSamplingParams
+
+                self._sampling_params_cls = VSamplingParams
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                        sampling_params=self._sampling_params_cls(**kwargs), use_tqdm=False)
+            completions, logps, truncated = [], [], []
+            for out in outputs:
+                o = out.outputs[0]
+                ids = list(o.token_ids)
+                completions.append(ids)
+                logps.append([step[t].logprob for step, t in zip(o.logprobs, ids)])
+                truncated.append(o.finish_reason == "length")
+        else:
+            kwargs.pop("n")
+            named = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs")
+            call = {k: kwargs.pop(k) for k in named}
+            out = self.client.generate(prompts, n=1, generation_kwargs=kwargs or None, **call)
+            completions = out["completion_ids"]
+            logps = [[tok[0] for tok in row] for row in out["logprobs"]]
+            truncated = [len(c) >= params.max_new_tokens and (not c or c[-1] not in self.eos_ids)
+                         for c in completions]
+        return pad_rollouts(completions, logps, truncated, self.tokenizer.pad_token_id)
+
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        if self.mode == "colocate":
+            engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+            with engine_weights(model) as weights:
+                engine_model.load_weights(weights)
+            self.llm.reset_prefix_cache()
+        else:
+            with engine_weights(model) as weights:
+                for name, tensor in weights:
+                    self.client.update_named_param(name, tensor)
+            self.client.reset_prefix_cache()
