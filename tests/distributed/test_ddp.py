@@ -1,0 +1,107 @@
+"""Two real processes (torchrun, gloo on CPU) against one process with gradient accumulation on the same rollouts.
+
+Tolerance: parameters agree to 1e-5 absolute / 1e-4 relative after two SGD steps (lr 0.5): the ranks sum the
+same terms in a different order and all-reduce them, which moves float32 results by ~1e-7 relative.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "ddp_worker.py"
+LOSSES = ["dapo", "grpo", "vespo"]
+TIMEOUT = 240
+
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+
+
+def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), str(out), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def single(out: Path, per_device: int, ga: int, losses: list[str], num_generations: int = 4) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(WORKER), str(out), str(per_device), str(ga), ",".join(losses),
+           "--num-generations", str(num_generations)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two ranks × 4 rows vs one rank × 4 rows × GA 2 (same 8-row generation batches), for three losses; and two
+    ranks × 2 rows with G = 4 (every group split across the ranks) vs one rank × 2 rows × GA 2."""
+    root = tmp_path_factory.mktemp("ddp")
+    (root / "two").mkdir()
+    (root / "one").mkdir()
+    (root / "split2").mkdir()
+    (root / "split1").mkdir()
+    r = torchrun(root / "two", "4", "1", ",".join(LOSSES))
+    assert r.returncode == 0, r.stderr[-4000:]
+    single(root / "one", 4, 2, LOSSES)
+    r = torchrun(root / "split2", "2", "1", "dapo")
+    assert r.returncode == 0, r.stderr[-4000:]
+    single(root / "split1", 2, 2, ["dapo"])
+    return root
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("loss_type", LOSSES)
+def test_two_ranks_equal_one_rank_with_accumulation(runs, loss_type):
+    one = load(runs / "one" / f"{loss_type}-rank0.pt")
+    r0 = load(runs / "two" / f"{loss_type}-rank0.pt")
+    r1 = load(runs / "two" / f"{loss_type}-rank1.pt")
+    initial = None
+    for name, p in one["params"].items():
+        torch.testing.assert_close(r0["params"][name], p, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(r1["params"][name], r0["params"][name], atol=0, rtol=0)  # DDP keeps ranks equal
+    from tiny import tiny_model, tiny_tokenizer
+
+    initial = tiny_model(tiny_tokenizer(), seed=7).state_dict()
+    moved = max((one["params"][n] - initial[n]).abs().max().item() for n in initial)
+    assert moved > 1e-3  # training happened
+    # Advantages of each generation batch: rank 0 holds the first half, rank 1 the second.
+    for a_one, a0, a1 in zip(one["advantages"], r0["advantages"], r1["advantages"]):
+        torch.testing.assert_close(torch.cat([a0, a1]), a_one, atol=1e-6, rtol=1e-6)
+
+
+def test_group_split_across_ranks_gets_the_same_advantages(runs):
+    one = load(runs / "split1" / "dapo-rank0.pt")
+    r0 = load(runs / "split2" / "dapo-rank0.pt")
+    r1 = load(runs / "split2" / "dapo-rank1.pt")
+    assert len(one["advantages"]) == 2 and all(a.numel() == 4 for a in one["advantages"])
+    assert all(a.numel() == 2 for a in r0["advantages"])  # each rank holds half of the one group
+    for a_one, a0, a1 in zip(one["advantages"], r0["advantages"], r1["advantages"]):
+        assert a_one.abs().sum() > 0
+        torch.testing.assert_close(torch.cat([a0, a1]), a_one, atol=1e-6, rtol=1e-6)
+    for name, p in one["params"].items():
+        torch.testing.assert_close(r0["params"][name], p, atol=1e-5, rtol=1e-4)
+
+
+def test_metrics_are_reduced_across_ranks(runs):
+    r0 = load(runs / "two" / "dapo-rank0.pt")
+    one = load(runs / "one" / "dapo-rank0.pt")
+    logs0 = [h for h in r0["logs"] if "reward" in h]
+    logs1 = [h for h in one["logs"] if "reward" in h]
+    for a, b in zip(logs0, logs1):
+        assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
+        assert a["completions/mean_length"] == pytest.approx(b["completions/mean_length"])
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-4)  # a loss metric, averaged over ranks
+
+
+def test_a_failing_rank_ends_the_run_with_its_error(tmp_path):
+    r = torchrun(tmp_path, "4", "1", "dapo", "--fail-rank", "1", timeout=180)
+    assert r.returncode != 0
+    assert "deliberate failure on rank 1" in (r.stdout + r.stderr)
