@@ -1,7 +1,9 @@
 """``grpokit train | demo | eval | tasks``: the command line.
 
-Wrong input (config values, unknown keys, unknown tasks or rewards, missing files) is printed in one line
-without a traceback and exits with status 2.
+Wrong input (config values, unknown keys, unknown tasks or rewards, missing files, a damaged checkpoint) is
+printed in one line without a traceback and exits with status 2. A first SIGINT (Ctrl-C) or SIGTERM during
+training finishes the current step, saves a checkpoint and exits with 128 + the signal number (130, 143);
+``grpokit train CONFIG --resume`` continues from it. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     spec.update(_parse_set(ns.set or []))
     if ns.output_dir:
         spec["output_dir"] = ns.output_dir
-    run_job(spec, quiet=ns.quiet)
+    run_job(spec, quiet=ns.quiet, resume=ns.resume)
     return 0
 
 
@@ -118,7 +120,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     spec.update(_parse_set(ns.set or []))
     print(f"grpokit demo: {ns.algo} on SmolLM2-135M-Instruct (LoRA), task 'arithmetic', "
           f"training for at most {spec['time_budget_s']} s → {ns.output_dir}", flush=True)
-    run_job(spec, quiet=ns.quiet)
+    run_job(spec, quiet=ns.quiet, resume=ns.resume)
     return 0
 
 
@@ -188,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
     t.add_argument("--output-dir")
     t.add_argument("--quiet", action="store_true", help="log lines only, no live progress bar")
+    t.add_argument("--resume", nargs="?", const="auto", metavar="PATH|auto",
+                   help="continue from a checkpoint directory, or 'auto' (the default when the flag has no value): "
+                        "the latest checkpoint in output_dir, or a fresh start when there is none")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="train the embedded SmolLM2-135M on arithmetic (CPU, ~10 minutes)")
@@ -199,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int)
     d.add_argument("--set", action="append", metavar="KEY=VALUE")
     d.add_argument("--quiet", action="store_true")
+    d.add_argument("--resume", nargs="?", const="auto", metavar="PATH|auto",
+                   help="continue an interrupted demo from its latest checkpoint (or PATH)")
     d.set_defaults(func=cmd_demo)
 
     e = sub.add_parser("eval", help="mean reward and accuracy (95%% CI) of a model on a task's held-out prompts")
@@ -229,16 +236,28 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from .job import JobError
+    from .job import JobError, TrainingInterrupted
 
     try:
         return ns.func(ns)
     except JobError as e:
-        print(f"grpokit: error: {e}", file=sys.stderr)
+        print(f"grpokit: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as e:
+        again = f"grpokit train {ns.config} --resume" if ns.command == "train" else "the same command with --resume"
+        print(f"grpokit: interrupted by {e.signal_name} at step {e.step}; checkpoint saved to {e.checkpoint}; "
+              f"continue with: {again}", file=sys.stderr)
+        return 128 + e.signum
+    except FloatingPointError as e:
+        print(f"grpokit: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("grpokit: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 if __name__ == "__main__":

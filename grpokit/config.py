@@ -24,6 +24,12 @@ logger = logging.getLogger("grpokit")
 TOKEN_SUMMED_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
 CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 VLLM_MODES = ("colocate", "server")
+CHOICE_FIELDS: dict[str, tuple[str, ...]] = {
+    "loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
+    "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS, "advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "vllm_mode": VLLM_MODES, "vllm_importance_sampling_mode": SAMPLER_CORRECTION_MODES,
+}
+"""Fields whose value is one of a few names; validation lists them (``scale_rewards`` also takes True/False)."""
 
 # TRL fields whose feature grpokit does not implement yet: setting them away from the default is an error
 # rather than a silent no-op. (field -> default)
@@ -35,6 +41,9 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "log_completions_hub_repo": None,
     "vllm_structured_outputs_regex": None,
     "router_aux_loss_coef": None,
+    "sync_ref_model": False,
+    "cast_lm_head_to_fp32": False,
+    "log_unique_prompts": False,
 }
 
 
@@ -197,13 +206,6 @@ class GRPOConfig(transformers.TrainingArguments):
 
     # grpokit additions
     advantage_estimator: str = field(default="grpo", metadata=_meta("grpo (group-normalised) | rloo."))
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata=_meta("DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."),
-    )
-    max_dynamic_sampling_rounds: int = field(
-        default=4, metadata=_meta("Extra generation rounds tried to fill the batch with informative groups.")
-    )
     overlong_buffer_length: int | None = field(
         default=None, metadata=_meta("DAPO overlong shaping: penalise completions in the last N tokens.")
     )
@@ -240,6 +242,9 @@ class GRPOConfig(transformers.TrainingArguments):
                     setattr(self, name, json.loads(value))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{name}={value!r} is not valid JSON: {e}") from None
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name}={value!r} is not allowed: expected a mapping of keyword: value (or its "
+                                 "JSON text)")
         if isinstance(self.pad_to_multiple_of, str):
             v = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if v in ("auto", "none", "null") else int(v)
@@ -327,13 +332,29 @@ class GRPOConfig(transformers.TrainingArguments):
         number("vllm_importance_sampling_clip_max", 0, lo_open=True, optional=True)
         number("vllm_importance_sampling_clip_min", 0, optional=True)
         number("vllm_gpu_memory_utilization", 0, 1, lo_open=True)
-        number("max_dynamic_sampling_rounds", 0, integer=True)
         number("overlong_penalty_factor", 0)
         number("warmup_ratio", 0, 1, hi_open=True, optional=True)
         if self.overlong_buffer_length is not None:
             number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
         number("generation_batch_size", 1, integer=True, optional=True)
         number("steps_per_generation", 1, integer=True, optional=True)
+        # TrainingArguments fields that transformers accepts as they are but that fail only once the model is
+        # loaded (the optimizer, the seed) or silently do nothing (a save or log interval of 0)
+        number("per_device_train_batch_size", 1, integer=True)
+        number("gradient_accumulation_steps", 1, integer=True)
+        number("learning_rate", 0)
+        number("weight_decay", 0)
+        number("adam_beta1", 0, 1, hi_open=True)
+        number("adam_beta2", 0, 1, hi_open=True)
+        number("adam_epsilon", 0)
+        number("max_grad_norm", 0)
+        number("num_train_epochs", 0)
+        number("seed", 0, 2**32 - 1, integer=True)
+        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "steps":
+            number("save_steps", 0, lo_open=True)
+        if str(getattr(self.logging_strategy, "value", self.logging_strategy)) == "steps":
+            number("logging_steps", 0, lo_open=True)
+        self._validate_report_to()
         if self.reward_weights is not None:
             if not isinstance(self.reward_weights, (list, tuple)) or not all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights
@@ -362,6 +383,20 @@ class GRPOConfig(transformers.TrainingArguments):
                 "auto_find_batch_size=True is not allowed: shrinking the batch breaks the groups of num_generations "
                 "completions; lower per_device_train_batch_size instead"
             )
+
+    def _validate_report_to(self) -> None:
+        value = self.report_to
+        names = [value] if isinstance(value, str) else value
+        if names is None:
+            return
+        try:
+            from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+        except ImportError:
+            return
+        allowed = ("all", "none", *INTEGRATION_TO_CALLBACK)
+        if not isinstance(names, (list, tuple)) or any(not isinstance(n, str) or n not in allowed for n in names):
+            raise ValueError(f"report_to={value!r} is not allowed: use one of {', '.join(map(repr, allowed))} "
+                             "(or a list of them)")
 
     def _derive_batches(self) -> None:
         procs = self.world_size

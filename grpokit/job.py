@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import json
 import logging
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from .config import GRPOConfig
+from .config import CHOICE_FIELDS, GRPOConfig
 
 logger = logging.getLogger("grpokit")
 
@@ -47,6 +49,17 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
 
 class JobError(ValueError):
     """A wrong job spec: the CLI prints it in one line and exits 2."""
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving a checkpoint; the CLI exits with 128 + the signal number."""
+
+    def __init__(self, signum: int, checkpoint: str | None, step: int):
+        import signal
+
+        self.signum, self.checkpoint, self.step = signum, checkpoint, step
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {self.signal_name} at step {step}; checkpoint: {checkpoint}")
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
@@ -84,7 +97,32 @@ def coerce_value(name: str, value: Any, field: dataclasses.Field) -> Any:
         raise JobError(f"{name}={value!r} is not allowed: expected an integer")
     if parts <= {"float", "None"} and not isinstance(value, (int, float)):
         raise JobError(f"{name}={value!r} is not allowed: expected a number")
+    if parts <= {"str", "None"} and not isinstance(value, str) and name not in CHOICE_FIELDS:
+        raise JobError(f"{name}={value!r} is not allowed: expected a string")  # (choices: GRPOConfig lists them)
+    if any(p.startswith("dict") for p in parts) and not isinstance(value, dict) and not (
+            "str" in parts and isinstance(value, str)):
+        raise JobError(f"{name}={value!r} is not allowed: expected a mapping (key: value)")
+    if any(p.startswith("list") for p in parts) and not isinstance(value, list) and not (
+            "str" in parts and isinstance(value, str)):
+        raise JobError(f"{name}={value!r} is not allowed: expected a list")
+    choices = _enum_values(field)
+    if choices and not (isinstance(value, str) and value in choices):
+        raise JobError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, choices))}")
     return value
+
+
+def _enum_values(field: dataclasses.Field) -> list[str]:
+    """The allowed values of a TrainingArguments field typed ``SomeEnum | str`` (save_strategy, optim, ...)."""
+    t = field.type
+    if isinstance(t, str):
+        return []
+    for arg in typing.get_args(t) or (t,):
+        try:
+            if isinstance(arg, type) and issubclass(arg, enum.Enum):
+                return [str(m.value) for m in arg]
+        except TypeError:  # a parametrised generic such as list[DebugOption]
+            continue
+    return []
 
 
 def split_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -106,21 +144,40 @@ def split_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         raise JobError("the config has no 'model' (e.g. model: smollm2-135m-instruct)")
     if ("task" in job) == ("dataset" in job):
         raise JobError("the config needs exactly one of 'task' (a built-in task) or 'dataset' (a local file)")
+    for key in ("model", "task", "dataset"):
+        if key in job and (not isinstance(job[key], str) or not job[key].strip()):
+            raise JobError(f"{key}={job[key]!r} is not allowed: expected {JOB_KEYS[key]}, as a string")
+    for key in ("task_args", "eval"):
+        if job.get(key) is not None and not isinstance(job[key], dict):
+            raise JobError(f"{key}={job[key]!r} is not allowed: expected a mapping ({JOB_KEYS[key]})")
+    names = job.get("reward_funcs")
+    if names is not None and not (isinstance(names, str) or (
+            isinstance(names, list) and names and all(isinstance(n, str) for n in names))):
+        raise JobError(f"reward_funcs={names!r} is not allowed: expected a reward name or module:function, or a "
+                       "list of them")
     return job, cfg
 
 
 class TimeBudget(TrainerCallback):
-    """Stop training once ``seconds`` of training wall time have passed (checked after each optimizer step)."""
+    """Stop training before ``seconds`` of training wall time are used up: after each optimizer step, stop when
+    another step as long as the slowest of the last few would overrun the budget."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.start = None
+        self.last = None
+        self.recent: list[float] = []
 
     def on_train_begin(self, args, state, control, **kw):
-        self.start = time.perf_counter()
+        self.start = self.last = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
-        if self.start is not None and time.perf_counter() - self.start >= self.seconds:
+        if self.start is None:
+            return control
+        now = time.perf_counter()
+        self.recent = (self.recent + [now - self.last])[-5:]
+        self.last = now
+        if now - self.start + max(self.recent) > self.seconds:
             control.should_training_stop = True
         return control
 
@@ -153,36 +210,73 @@ def _prepare(spec: dict[str, Any]):
         names = job["reward_funcs"]
         names = [names] if isinstance(names, str) else names
         reward_funcs = [get_reward_func(n) for n in names]
+    if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
+        raise JobError(f"reward_weights={config.reward_weights!r} is not allowed: {len(config.reward_weights)} "
+                       f"weights for {len(reward_funcs)} reward functions "
+                       f"({', '.join(getattr(f, '__name__', str(f)) for f in reward_funcs)}); give one per function")
+    if str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no":
+        raise JobError(f"eval_strategy={str(getattr(config.eval_strategy, 'value', config.eval_strategy))!r} is not "
+                       "allowed in a job: use 'no' (the job's 'eval' section evaluates before and after training)")
     lora = job.get("lora")
-    if lora is not None and not isinstance(lora, dict):
-        raise JobError(f"lora={lora!r} is not allowed: expected a mapping like {{r: 16, alpha: 32}}")
+    if lora is not None:
+        check_lora(lora)
     ev = {"n": 128, "before": True, "after": True, "max_new_tokens": config.max_completion_length, "greedy": True}
     unknown = set(job.get("eval") or {}) - set(ev)
     if unknown:
         raise JobError(f"unknown eval key(s) {sorted(unknown)}; allowed: {sorted(ev)}")
+    for key, value in (job.get("eval") or {}).items():
+        if key in ("n", "max_new_tokens") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise JobError(f"eval.{key}={value!r} is not allowed: expected a positive integer")
+        if key in ("before", "after", "greedy") and not isinstance(value, bool):
+            raise JobError(f"eval.{key}={value!r} is not allowed: expected true or false")
     ev.update(job.get("eval") or {})
     budget = job.get("time_budget_s")
-    if budget is not None and (not isinstance(budget, (int, float)) or budget <= 0):
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         raise JobError(f"time_budget_s={budget!r} is not allowed: expected a positive number of seconds")
     return job, config, task, reward_funcs, lora, ev
+
+
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+
+
+def check_lora(lora: Any) -> None:
+    """The job's ``lora`` section: a mapping of known keys with values of the right type (checked before a model
+    is loaded)."""
+    if not isinstance(lora, dict):
+        raise JobError(f"lora={lora!r} is not allowed: expected a mapping like {{r: 16, alpha: 32}}")
+    unknown = set(lora) - set(LORA_KEYS)
+    if unknown:
+        raise JobError(f"unknown lora key(s) {sorted(map(str, unknown))}; allowed: {list(LORA_KEYS)}")
+    for key in ("r", "alpha"):
+        v = lora.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise JobError(f"lora.{key}={v!r} is not allowed: expected a positive integer")
+    d = lora.get("dropout")
+    if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < 1):
+        raise JobError(f"lora.dropout={d!r} is not allowed: expected a number in [0, 1)")
+    t = lora.get("target_modules")
+    if t is not None and not (isinstance(t, str) or (isinstance(t, list) and t and all(isinstance(m, str) for m in t))):
+        raise JobError(f"lora.target_modules={t!r} is not allowed: expected 'all-linear' or a list of module names")
 
 
 def lora_config(lora: dict[str, Any]):
     from peft import LoraConfig
 
-    allowed = {"r", "alpha", "dropout", "target_modules"}
-    unknown = set(lora) - allowed
-    if unknown:
-        raise JobError(f"unknown lora key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    check_lora(lora)
     r = int(lora.get("r", 16))
     return LoraConfig(r=r, lora_alpha=int(lora.get("alpha", 2 * r)), lora_dropout=float(lora.get("dropout", 0.0)),
                       target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM")
 
 
-def run_job(spec: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
-    """Run a whole job; returns the report dict (also written to ``output_dir/report.json``)."""
+def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = None) -> dict[str, Any]:
+    """Run a whole job; returns the report dict (also written to ``output_dir/report.json``).
+
+    ``resume``: a checkpoint directory, or ``"auto"`` for the latest checkpoint in ``output_dir`` (a fresh start
+    when there is none). A SIGINT/SIGTERM during training saves a checkpoint and raises
+    :class:`TrainingInterrupted`."""
     import transformers
 
+    from .checkpoints import CheckpointError, latest_checkpoint, resolve_resume
     from .evaluation import evaluate
     from .models import load_model, load_tokenizer
     from .reporting import MetricsJsonlCallback, ProgressCallback, write_report
@@ -190,7 +284,18 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
 
     wall_start = time.perf_counter()
     job, config, task, reward_funcs, lora, ev = prepare(spec)
+    try:
+        resume_path = resolve_resume(resume, config.output_dir)
+    except CheckpointError as e:
+        raise JobError(str(e)) from None
     out = Path(config.output_dir)
+    if resume_path:
+        say(quiet, f"resuming from {resume_path}")
+    elif resume is not None:
+        say(quiet, f"no checkpoint in {out} yet: starting from scratch")
+    elif latest_checkpoint(out) is not None:
+        say(quiet, f"note: {out} holds checkpoints up to {latest_checkpoint(out).name}; starting from scratch "
+                   "(--resume auto continues from the latest)")
     out.mkdir(parents=True, exist_ok=True)
     transformers.set_seed(config.seed)
 
@@ -203,10 +308,16 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
                        greedy=bool(ev["greedy"]), temperature=config.temperature, n=int(ev["n"]),
                        max_prompt_length=config.max_prompt_length)
     eval_before = samples_before = eval_after = samples_after = None
-    if ev["before"] and task.eval_dataset is not None:
+    cached_before = out / "eval_before.json"
+    if ev["before"] and task.eval_dataset is not None and resume_path and cached_before.is_file():
+        eval_before, samples_before = json.loads(cached_before.read_text())  # measured by the interrupted run
+        say(quiet, _eval_line("before (measured by the first run)", eval_before))
+    elif ev["before"] and task.eval_dataset is not None:
         say(quiet, f"evaluating the model before training on {min(ev['n'], len(task.eval_dataset))} held-out prompts")
         eval_before, samples_before = evaluate(model, tokenizer, task.eval_dataset, reward_funcs, **eval_kwargs)
         say(quiet, _eval_line("before", eval_before))
+        if _jsonable([eval_before, samples_before]):
+            cached_before.write_text(json.dumps([eval_before, samples_before]))
 
     peft_config = lora_config(lora) if lora is not None else None
     trainer = GRPOTrainer(model, reward_funcs, args=config, train_dataset=task.train_dataset,
@@ -214,12 +325,21 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
     trainer.add_callback(MetricsJsonlCallback(str(out)))
-    trainer.add_callback(ProgressCallback(quiet=quiet))
+    trainer.add_callback(ProgressCallback(quiet=quiet, time_budget_s=job.get("time_budget_s")))
     if job.get("time_budget_s"):
         trainer.add_callback(TimeBudget(float(job["time_budget_s"])))
     train_start = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train(resume_from_checkpoint=resume_path)
+    except CheckpointError as e:
+        raise JobError(str(e)) from None
     train_time = time.perf_counter() - train_start
+    if trainer.interrupted:
+        checkpoint = trainer.interrupt_checkpoint
+        if checkpoint is None:  # the signal came after the last step: keep that state too
+            trainer._save_checkpoint(trainer.model, None)
+            checkpoint = str(latest_checkpoint(out))
+        raise TrainingInterrupted(trainer.interrupted, checkpoint, trainer.state.global_step)
     trainer.save_model(str(out / "final"))
 
     if ev["after"] and task.eval_dataset is not None:

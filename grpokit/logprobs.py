@@ -1,12 +1,28 @@
-"""Per-token log-probs and entropies of completion tokens.
+"""Per-token log-probs and entropies of completion tokens, without a (B, T, V) logits tensor.
 
-Only the completion positions are projected to the vocabulary (``logits_to_keep``), and the log-softmax is
-taken a few rows at a time so that at most one (rows, C, V) float32 block exists beside the model's logits.
+The lean path runs the model's forward with its LM head projecting nothing (a pre-hook takes the head's input),
+keeps the hidden state before each *valid* completion token (``completion_mask == 1``), and projects those to
+the vocabulary in (rows × vocabulary-tile)
+blocks with an online log-sum-exp (:class:`_ChunkedLogSoftmax`): at most one block of logits exists at a time,
+in the forward and again (recomputed) in the backward. Models whose LM head cannot be found, or whose logits are
+post-processed after the head (soft-capping, scaling), use the plain path: ``logits_to_keep`` logits and a
+row-chunked log-softmax.
+
+Positions where ``completion_mask`` is 0 get log-prob 0 and entropy 0 on both paths.
 """
 
 from __future__ import annotations
 
 import torch
+
+BLOCK_ROWS = 512
+"""Rows (completion tokens) per block of logits."""
+BLOCK_VOCAB = 4096
+"""Vocabulary entries per block of logits: a block is ``BLOCK_ROWS × BLOCK_VOCAB`` float32 (8 MiB)."""
+
+_POSTPROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale",
+                         "output_multiplier", "lm_head_multiplier")
+"""Config fields of models that change logits after the LM head (Gemma 2/3, Cohere, Granite, ...)."""
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -15,18 +31,171 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+# -- the chunked projection -----------------------------------------------------------------------------------------
+def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
+    z = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    return z.to(acc)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float32 and narrower inputs (bf16/fp16 logits are upcast, as the plain path does); float64 stays."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _ChunkedLogSoftmax(torch.autograd.Function):
+    """``log softmax(h·Wᵀ + b)[target]`` and the entropy per row, one (rows × vocab-tile) block at a time.
+
+    Forward, per row: running max ``m``, ``s = Σ e^(z-m)`` and ``a = Σ e^(z-m)·(z-m)`` over the tiles
+    (rescaled by ``e^(m_old - m_new)`` when the max grows), then ``lse = m + log s``, ``H = log s - a/s``.
+    Backward recomputes each block: with ``log p = z - lse``,
+    ``∂L/∂z = g_lp·(onehot - p) - g_H·p·(log p + H)``, then ``∂h = ∂z·W``, ``∂W = ∂zᵀ·h``, ``∂b = Σ ∂z``.
+    ``∂W`` and ``∂b`` are skipped when the weight (a frozen head: LoRA) does not need them. ``h`` arrives scaled
+    by ``1/τ`` (the caller folds the temperature into it).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, compute_entropy, entropy_grad, block_rows, block_vocab):
+        n, v = h.shape[0], weight.shape[0]
+        acc = _acc_dtype(h.dtype)
+        kw = dict(device=h.device, dtype=acc)
+        m = torch.full((n,), float("-inf"), **kw)
+        s = torch.zeros(n, **kw)
+        a = torch.zeros(n, **kw) if compute_entropy else None
+        picked = torch.zeros(n, **kw)
+        for r0 in range(0, n, block_rows):
+            r1 = min(n, r0 + block_rows)
+            hc, tc = h[r0:r1], targets[r0:r1]
+            mc, sc = m[r0:r1], s[r0:r1]
+            ac = a[r0:r1] if a is not None else None
+            for v0 in range(0, v, block_vocab):
+                v1 = min(v, v0 + block_vocab)
+                z = _block_logits(hc, weight[v0:v1], None if bias is None else bias[v0:v1], acc)
+                local = tc - v0
+                inside = (local >= 0) & (local < v1 - v0)
+                at_target = z.gather(1, local.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
+                picked[r0:r1] += torch.where(inside, at_target, 0.0)
+                new_m = torch.maximum(mc, z.amax(1))
+                if v0 == 0:
+                    scale = None
+                else:
+                    shift = mc - new_m  # ≤ 0
+                    scale = shift.exp()
+                u = z.sub_(new_m.unsqueeze(1))  # z - m, in place
+                e = u.exp()
+                s_blk = e.sum(1)
+                if ac is not None:
+                    a_blk = e.mul_(u).sum(1)
+                    if scale is None:
+                        ac.copy_(a_blk)
+                    else:
+                        ac.copy_(scale * (ac + shift * sc) + a_blk)
+                sc.copy_(s_blk if scale is None else sc * scale + s_blk)
+                mc.copy_(new_m)
+        log_s = s.log()
+        lse = m + log_s
+        logp = picked - lse
+        ent = (log_s - a / s) if compute_entropy else logp.new_empty(0)
+        ctx.save_for_backward(h, weight, bias, targets, lse, ent if compute_entropy else None)
+        ctx.entropy_grad = bool(compute_entropy and entropy_grad)
+        ctx.blocks = (block_rows, block_vocab)
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, weight, bias, targets, lse, ent = ctx.saved_tensors
+        block_rows, block_vocab = ctx.blocks
+        n, v = h.shape[0], weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        use_ent = ctx.entropy_grad and g_ent is not None
+        if g_lp is None:
+            g_lp = torch.zeros_like(lse)
+        acc = _acc_dtype(h.dtype)
+        grad_h = torch.zeros(h.shape, dtype=acc, device=h.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(v, dtype=acc, device=weight.device) if need_b else None
+        if need_h or need_w or need_b:
+            neg_glp = -g_lp.to(acc)
+            neg_gent = -g_ent.to(acc) if use_ent else None
+            for r0 in range(0, n, block_rows):
+                r1 = min(n, r0 + block_rows)
+                hc, tc = h[r0:r1], targets[r0:r1]
+                lse_c, glp_c = lse[r0:r1].unsqueeze(1), g_lp[r0:r1].to(acc)
+                hc_acc = hc.to(acc)
+                for v0 in range(0, v, block_vocab):
+                    v1 = min(v, v0 + block_vocab)
+                    w_t = weight[v0:v1]
+                    logp = _block_logits(hc, w_t, None if bias is None else bias[v0:v1], acc).sub_(lse_c)
+                    p = logp.exp()
+                    if use_ent:
+                        # -(g_lp + g_H·(log p + H)) written into logp
+                        coef = logp.add_(ent[r0:r1].unsqueeze(1)).mul_(neg_gent[r0:r1].unsqueeze(1))
+                        p.mul_(coef.add_(neg_glp[r0:r1].unsqueeze(1)))
+                    else:
+                        p.mul_(neg_glp[r0:r1].unsqueeze(1))
+                    local = tc - v0
+                    inside = (local >= 0) & (local < v1 - v0)
+                    p.scatter_add_(1, local.clamp(0, v1 - v0 - 1).unsqueeze(1),
+                                   torch.where(inside, glp_c, 0.0).unsqueeze(1))
+                    # products in the accumulation dtype: bf16 blocks are not rounded before they are summed
+                    if need_h:
+                        grad_h[r0:r1].addmm_(p, w_t.to(acc))
+                    if need_w:
+                        grad_w[v0:v1].addmm_(p.t(), hc_acc)
+                    if need_b:
+                        grad_b[v0:v1] += p.sum(0)
+        return (
+            grad_h.to(h.dtype) if grad_h is not None else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+            None, None, None, None, None,
+        )
+
+
+def linear_logps_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    entropy_grad: bool = False,
+    block_rows: int = BLOCK_ROWS,
+    block_vocab: int = BLOCK_VOCAB,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(z)[target]`` and ``H = -Σ p·log p`` for ``z = (hidden·Wᵀ + b)/τ``, never materialising
+    ``z`` beyond one ``block_rows × block_vocab`` block.
+
+    ``hidden``: (N, D) or (..., D); ``weight``: (V, D); ``targets``: hidden's leading shape. Returns float32
+    tensors of the leading shape. Gradients flow to ``hidden``, ``weight`` and ``bias`` where they require it;
+    to the entropy only with ``entropy_grad`` (otherwise it is a detached metric).
+    """
+    lead = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).to(torch.long)
+    if temperature != 1.0:
+        h = h * (1.0 / temperature)
+        bias = bias * (1.0 / temperature) if bias is not None else None
+    logp, ent = _ChunkedLogSoftmax.apply(h, weight, bias, t, compute_entropy, entropy_grad, block_rows, block_vocab)
+    return logp.reshape(lead), (ent.reshape(lead) if compute_entropy else None)
+
+
+# -- the plain path ----------------------------------------------------------------------------------------------
 def token_logps_and_entropy(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, compute_entropy: bool = True,
     rows_per_chunk: int = 4, entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(z/τ)[token]`` and the entropy ``H = logsumexp(z/τ) - Σ p·z/τ`` per position.
+    """``log softmax(z/τ)[token]`` and the entropy ``H = logsumexp(z/τ) - Σ p·z/τ`` per position, from logits.
 
     ``logits``: (B, C, V); ``tokens``: (B, C). Entropy is computed without gradient (it is a metric, and the
     input of the high-entropy mask) unless ``entropy_grad`` (an entropy bonus in the loss).
     """
     logps, ents = [], []
     for start in range(0, logits.shape[0], rows_per_chunk):
-        z = logits[start:start + rows_per_chunk].float()
+        z = logits[start:start + rows_per_chunk].to(_acc_dtype(logits.dtype))
         if temperature != 1.0:
             z = z / temperature
         lse = torch.logsumexp(z, dim=-1)
@@ -41,6 +210,70 @@ def token_logps_and_entropy(
     return logp, ent
 
 
+# -- finding the head -----------------------------------------------------------------------------------------------
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The causal LM inside DDP / PEFT wrappers, for looking up its head and config; None for a prompt-learning
+    PEFT model."""
+    inner = getattr(model, "module", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and inner is not None:
+        model = inner
+    if getattr(model, "peft_config", None) is not None and hasattr(model, "get_base_model"):
+        active = getattr(model, "active_peft_config", None)
+        if active is None or getattr(active, "is_prompt_learning", False):
+            return None
+        model = model.get_base_model()
+    return model
+
+
+def lean_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head of a decoder-only causal LM (DDP- or PEFT-wrapped or not) whose logits are exactly
+    ``lm_head(hidden)``: a plain ``nn.Linear`` (tied or not, with or without bias) and no soft-capping or scaling
+    after it. None when that cannot be established: the plain path is used."""
+    base = _unwrap(model)
+    if base is None or not hasattr(base, "get_output_embeddings"):
+        return None
+    cfg = getattr(base, "config", None)
+    if cfg is None or getattr(cfg, "is_encoder_decoder", False):
+        return None
+    configs = [cfg] + ([cfg.get_text_config()] if hasattr(cfg, "get_text_config") else [])
+    for c in configs:
+        for name in _POSTPROCESSED_LOGITS:
+            value = getattr(c, name, None)
+            if value is not None and not (name != "final_logit_softcapping" and value == 1):
+                return None
+    try:
+        head = base.get_output_embeddings()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    if type(head) is not torch.nn.Linear or not head.weight.dtype.is_floating_point:
+        return None  # LoRA on the head, modules_to_save, quantised heads
+    return head
+
+
+def _head_inputs(model: torch.nn.Module, head: torch.nn.Linear, input_ids, mask, keep: int) -> torch.Tensor | None:
+    """The hidden states the model hands its LM head for the last ``keep`` positions (B, keep, D), from a forward
+    in which the head itself projects nothing: a pre-hook on the head keeps its input and passes on an empty slice.
+    The model's own forward runs (so its wrappers do: DDP, PEFT, accelerate's autocast). None when the head was
+    not called exactly once on a (B, keep, D) input."""
+    seen = []
+
+    def hook(module, args):
+        seen.append(args[0])
+        return (args[0][..., :0, :],) + tuple(args[1:])
+
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
+              logits_to_keep=keep)
+    except TypeError:  # no logits_to_keep
+        return None
+    finally:
+        handle.remove()
+    if len(seen) != 1 or seen[0].dim() != 3 or seen[0].shape[:2] != (input_ids.shape[0], keep):
+        return None
+    return seen[0]
+
+
 def completion_logps(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -52,28 +285,50 @@ def completion_logps(
     compute_entropy: bool = True,
     entropy_grad: bool = False,
     batch_size: int | None = None,
+    lean: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of ``completion_ids`` given the prompts under ``model``, and entropies (B, C).
 
     Rows are processed ``batch_size`` at a time (all at once when None). Gradients flow when enabled by the
-    caller.
+    caller. Positions where ``completion_mask`` is 0 get 0. ``lean=False`` forces the plain (logits) path.
     """
-    c = completion_ids.shape[1]
+    b, c = completion_ids.shape
     if c == 0:
         empty = completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
         return empty, (empty.clone() if compute_entropy else None)
-    step = batch_size or prompt_ids.shape[0]
+    head = lean_head(model) if lean else None
+    step = batch_size or b
     logps, ents = [], []
-    for start in range(0, prompt_ids.shape[0], step):
+    for start in range(0, b, step):
         sl = slice(start, start + step)
         input_ids = torch.cat([prompt_ids[sl], completion_ids[sl]], 1)
         mask = torch.cat([prompt_mask[sl], completion_mask[sl]], 1)
-        logits = _forward_logits(model, input_ids, mask, c + 1)[:, :-1]
-        lp, ent = token_logps_and_entropy(logits, completion_ids[sl], temperature, compute_entropy,
-                                          entropy_grad=entropy_grad)
+        valid = completion_mask[sl].bool()
+        hidden = _head_inputs(model, head, input_ids, mask, c + 1) if head is not None else None
+        if hidden is not None:
+            hidden = hidden[:, :-1][valid]
+            if hidden.dtype != head.weight.dtype:  # autocast: project in the head's own dtype
+                hidden = hidden.to(head.weight.dtype)
+            lp_v, ent_v = linear_logps_and_entropy(
+                hidden, head.weight, completion_ids[sl][valid], head.bias, temperature=temperature,
+                compute_entropy=compute_entropy, entropy_grad=entropy_grad,
+            )
+            zeros = lp_v.new_zeros(valid.shape)
+            lp = zeros.masked_scatter(valid, lp_v)
+            ent = zeros.masked_scatter(valid, ent_v) if compute_entropy else None
+        else:
+            head = None  # this model does not fit: the plain path from now on
+            logits = _forward_logits(model, input_ids, mask, c + 1)[:, :-1]
+            lp, ent = token_logps_and_entropy(logits, completion_ids[sl], temperature, compute_entropy,
+                                              entropy_grad=entropy_grad)
+            del logits
+            lp = lp.masked_fill(~valid, 0.0)
+            ent = ent.masked_fill(~valid, 0.0) if ent is not None else None
         logps.append(lp)
         if ent is not None:
             ents.append(ent)
+    if len(logps) == 1:
+        return logps[0], (ents[0] if compute_entropy else None)
     return torch.cat(logps), (torch.cat(ents) if compute_entropy else None)
 
 

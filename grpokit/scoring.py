@@ -3,6 +3,12 @@
 A reward function is called as ``f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
 **dataset_columns)`` and returns one ``float`` or ``None`` ("not applicable") per completion. ``async`` functions
 run concurrently. A reward model is a sequence-classification model whose first logit is the reward.
+
+Rules (never a silent zero): a list, tuple, tensor or numpy array of exactly one value per completion; each value
+a finite real number (Python, numpy or a one-element tensor) or ``None``. ``None`` means "not applicable": that
+function is left out of the row's reward; a row every function skips gets advantage 0 and no gradient. NaN,
+±inf, strings, booleans and a wrong count are errors naming the function and the row. A function that raises is
+called again one row at a time to find the row that fails; the error names both.
 """
 
 from __future__ import annotations
@@ -25,30 +31,85 @@ def reward_func_name(func: Any) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
-def _check_values(name: str, values: Any, n: int) -> list[float]:
+def _snippet(x: Any, width: int = 80) -> str:
+    """A short readable form of a prompt or completion (the last message's content for chat lists)."""
+    if isinstance(x, list) and x and isinstance(x[-1], dict):
+        x = x[-1].get("content", x[-1])
+    text = x if isinstance(x, str) else repr(x)
+    return repr(text if len(text) <= width else text[:width] + "…")
+
+
+def _row_context(prompts: list | None, completions: list | None, i: int) -> str:
+    parts = []
+    if prompts is not None and i < len(prompts):
+        parts.append(f"prompt {_snippet(prompts[i])}")
+    if completions is not None and i < len(completions):
+        parts.append(f"completion {_snippet(completions[i])}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _check_values(name: str, values: Any, n: int, prompts: list | None = None,
+                  completions: list | None = None) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().flatten().tolist()
+    elif type(values).__module__ == "numpy" and hasattr(values, "tolist"):
+        values = values.tolist()
+        values = values if isinstance(values, list) else [values]
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"reward function {name!r} returned {type(values).__name__}; expected a list of {n} numbers")
     if len(values) != n:
-        raise ValueError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+        raise ValueError(f"reward function {name!r} returned {len(values)} values for {n} completions; expected one "
+                         "number (or None) per completion")
     out: list[float] = []
     for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.dtype.is_complex and v.dtype != torch.bool:
+            v = v.item()
         if v is None:
             out.append(math.nan)
             continue
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        if isinstance(v, bool) or type(v).__name__ == "bool_" or not isinstance(v, numbers.Real):
             raise ValueError(
-                f"reward function {name!r} returned {v!r} ({type(v).__name__}) for row {i}; expected a number or None"
+                f"reward function {name!r} returned {v!r} ({type(v).__name__}) for row {i}"
+                f"{_row_context(prompts, completions, i)}; expected a number or None"
             )
         v = float(v)
         if not math.isfinite(v):
             raise ValueError(
-                f"reward function {name!r} returned {v} for row {i}; rewards must be finite (return None for "
-                "'not applicable')"
+                f"reward function {name!r} returned {v} for row {i}{_row_context(prompts, completions, i)}; rewards "
+                "must be finite (return None for 'not applicable')"
             )
         out.append(v)
     return out
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised; the message names the function and, where one row alone fails, that row."""
+
+
+def _row_kwargs(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
+    return {k: ([v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in kwargs.items()}
+
+
+def _reward_error(name: str, func: Any, kwargs: dict[str, Any], n: int, error: BaseException) -> RewardFunctionError:
+    """Call ``func`` again one row at a time to find the first row that fails on its own."""
+    where = f" on the batch of {n} completions"
+    for i in range(n):
+        try:
+            value = func(**_row_kwargs(kwargs, i, n))
+            if inspect.isawaitable(value):
+                result = _run_async([value])[0]
+                if isinstance(result, BaseException):
+                    raise result
+        except Exception as row_error:  # noqa: BLE001 - any failure of user code locates the row
+            where = f" on row {i} of {n}{_row_context(kwargs.get('prompts'), kwargs.get('completions'), i)}"
+            if type(row_error) is not type(error) or str(row_error) != str(error):
+                where += f" (alone it raised {type(row_error).__name__}: {row_error})"
+            break
+    else:
+        prompts = kwargs.get("prompts")
+        first = f", first prompt {_snippet(prompts[0])}" if prompts else ""
+        where += f" (every row alone scores without error{first})"
+    return RewardFunctionError(f"reward function {name!r} raised {type(error).__name__}: {error}{where}")
 
 
 @torch.no_grad()
@@ -85,23 +146,24 @@ def score_completions(
     for k, func in enumerate(reward_funcs):
         name = reward_func_name(func)
         if isinstance(func, torch.nn.Module):
-            results[k] = _check_values(name, _reward_model_scores(func, reward_processing_classes[k], prompts, completions), n)
+            scores = _reward_model_scores(func, reward_processing_classes[k], prompts, completions)
+            results[k] = _check_values(name, scores, n, prompts, completions)
             continue
         try:
             value = func(**kwargs)
         except Exception as e:
-            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+            raise _reward_error(name, func, kwargs, n, e) from e
         if inspect.isawaitable(value):
             pending[k] = value
         else:
-            results[k] = _check_values(name, value, n)
+            results[k] = _check_values(name, value, n, prompts, completions)
     if pending:
         values = _run_async(list(pending.values()))
         for (k, _), value in zip(pending.items(), values):
             name = reward_func_name(reward_funcs[k])
             if isinstance(value, BaseException):
-                raise RuntimeError(f"reward function {name!r} raised {type(value).__name__}: {value}") from value
-            results[k] = _check_values(name, value, n)
+                raise _reward_error(name, reward_funcs[k], kwargs, n, value) from value
+            results[k] = _check_values(name, value, n, prompts, completions)
     return torch.tensor([results[k] for k in range(len(reward_funcs))], dtype=torch.float32).T.reshape(n, len(reward_funcs))
 
 

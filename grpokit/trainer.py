@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 import transformers
+from accelerate.utils import gather_object
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from .algorithms import policy_loss
 from .algorithms.advantages import group_advantages, nanstd, overlong_penalty
 from .algorithms.entropy import entropy_bonus
 from .algorithms.importance import sampler_importance_ratio
+from .checkpoints import CheckpointingMixin, load_rollout_buffer
 from .config import GRPOConfig
 from .data import GroupRepeatSampler, is_conversational, prompt_text, tokenize_prompts
 from .logprobs import completion_logps
@@ -51,6 +53,32 @@ class _TrainerHooks(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         self.trainer._micro_step = state.global_step * args.gradient_accumulation_steps
         self.trainer._buffer = []
+        self.trainer._total_tokens = int(state.num_input_tokens_seen or 0)
+        if self.trainer._resume_checkpoint:  # a checkpoint inside a generation batch: its saved rollouts
+            load_rollout_buffer(self.trainer, self.trainer._resume_checkpoint)
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        """A non-finite gradient never reaches the weights: raise (the step is not taken) or, with
+        ``skip_nonfinite_steps``, drop the gradients so the optimizer leaves every parameter and its state as is."""
+        t = self.trainer
+        if t.is_deepspeed_enabled or getattr(t.accelerator, "scaler", None) is not None:
+            return  # DeepSpeed and the fp16 grad scaler skip overflowing steps themselves
+        norm, t._last_grad_norm = getattr(t, "_last_grad_norm", None), None
+        if norm is not None and bool(torch.isfinite(torch.as_tensor(norm))):
+            return  # the Trainer's gradient norm, taken just before, is finite: so is every gradient (no 2nd pass)
+        params = [(n, p) for n, p in t.model.named_parameters() if p.grad is not None]
+        if not params or torch.stack([torch.isfinite(p.grad).all() for _, p in params]).all():
+            return
+        bad = [n for n, p in params if not torch.isfinite(p.grad).all()]
+        t.model.zero_grad(set_to_none=True)
+        if args.skip_nonfinite_steps:
+            t._metrics["train"]["skipped_nonfinite"].append(1.0)
+            return
+        raise FloatingPointError(
+            f"non-finite gradients in {len(bad)} of {len(params)} parameters (first: {bad[0]}) at step "
+            f"{state.global_step + 1}; the weights were not updated. Lower the learning rate or max_grad_norm, check "
+            "the rewards, or set skip_nonfinite_steps=True to skip such steps"
+        )
 
     def on_step_begin(self, args, state, control, **kw):
         self.start = time.perf_counter()
@@ -60,8 +88,12 @@ class _TrainerHooks(TrainerCallback):
             self.trainer._metrics["train"]["step_time"].append(time.perf_counter() - self.start)
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(CheckpointingMixin, Trainer):
     """Group Relative Policy Optimization and its family; a drop-in for ``trl.GRPOTrainer``.
+
+    Checkpoints are written atomically, checked before a resume (``resume_from_checkpoint`` also takes
+    ``"auto"``), and a first SIGINT/SIGTERM during ``train()`` saves one at the next step boundary and stops
+    (:mod:`grpokit.checkpoints`).
 
     Args:
         model: a ``PreTrainedModel``, a local directory, a hub id, a ``.gguf`` file, or ``"smollm2-135m-instruct"``.
@@ -102,6 +134,13 @@ class GRPOTrainer(Trainer):
         _check_dataset("train_dataset", train_dataset)
         if eval_dataset is not None and not isinstance(eval_dataset, dict):
             _check_dataset("eval_dataset", eval_dataset)
+        need = args.generation_batch_size // args.num_generations
+        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) < need:
+            raise ValueError(  # checked here, before a model is loaded, rather than when training starts
+                f"train_dataset has {len(train_dataset)} prompts, fewer than the {need} prompts of one generation "
+                f"batch (generation_batch_size {args.generation_batch_size} / num_generations "
+                f"{args.num_generations}); add prompts or lower per_device_train_batch_size"
+            )
 
         if isinstance(model, str):
             from .models import load_model
@@ -161,10 +200,16 @@ class GRPOTrainer(Trainer):
             weights.append(1.0)  # the overlong penalty enters as one more reward column
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
+        if rollout_backend is None and args.use_vllm:
+            from .rollout.vllm_backend import VLLMRollout
+
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            rollout_backend = VLLMRollout(base.name_or_path, processing_class, args, process_index=args.process_index)
         self.rollout = rollout_backend or TransformersRollout(processing_class)
         self._metrics: dict[str, dict[str, list]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._buffer: list[dict[str, Any]] = []
         self._micro_step = 0
+        self._synced_step = 0  # a sampler with its own weights (vLLM) starts from the same checkpoint
         self._total_tokens = 0
         self._last_samples: dict[str, list] | None = None
 
@@ -247,6 +292,9 @@ class GRPOTrainer(Trainer):
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
 
         unwrapped = self.accelerator.unwrap_model(self.model)
+        if self._synced_step != self.state.global_step:  # the weights changed since the sampler last saw them
+            self.rollout.sync_weights(unwrapped)
+            self._synced_step = self.state.global_step
         rollout = self.rollout.generate(unwrapped, prompt_ids, prompt_mask, self._sampling_params(mode))
         completion_ids = rollout.completion_ids.to(device)
         completion_mask = rollout.completion_mask.to(device)
@@ -297,6 +345,13 @@ class GRPOTrainer(Trainer):
                 a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max,
             )
 
+        if sampler_logps is not None and old_logps is not None:
+            valid = completion_mask.bool()
+            gap = (old_logps - sampler_logps)[valid].abs()
+            self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(gap.mean() if gap.numel() else gap.sum())
+            if sampler_ratio is not None:
+                rho = sampler_ratio.expand_as(completion_mask)[valid] if sampler_ratio.shape[-1] != 1 else sampler_ratio
+                self._metrics[mode]["sampling/importance_sampling_ratio/mean"].append(rho.float().mean())
         num_items = self.accelerator.gather(completion_mask.sum().reshape(1)).sum()
         self._log_rollout_metrics(mode, rewards, result, lengths_local, truncated, prompt_mask, completion_mask)
         self._last_samples = {
@@ -341,7 +396,11 @@ class GRPOTrainer(Trainer):
                 m[f"rewards/{name}/mean"].append(torch.nanmean(col).item())
                 m[f"rewards/{name}/std"].append(_finite(nanstd(col).item()))
         total = result.rewards
-        m["reward"].append(_finite(torch.nanmean(total).item()))
+        mean_reward = torch.nanmean(total).item()
+        if mean_reward != mean_reward:  # NaN: dropped at log time rather than logged as a reward of 0
+            logger.warning("no completion of this %s batch got a reward (every reward function returned None): "
+                           "it contributes no gradient", mode)
+        m["reward"].append(mean_reward)
         m["reward_std"].append(_finite(nanstd(total).item()))
         m["frac_reward_zero_std"].append(result.zero_std.float().mean().item())
 
@@ -375,18 +434,33 @@ class GRPOTrainer(Trainer):
         loss = out.loss
         if a.entropy_coef > 0:
             loss = loss + entropy_bonus(entropies, mask, a.entropy_coef, ga)
-        if not torch.isfinite(loss):
+        # one check (one host sync) for the loss and the policy log-probs it came from: exactly on-policy the loss
+        # value does not depend on the log-probs, so a NaN there would not show in the loss
+        if not (torch.isfinite(loss) & (torch.isfinite(logps.detach()) | (mask == 0)).all()):
             if a.skip_nonfinite_steps:
                 self._metrics[mode]["skipped_nonfinite"].append(1.0)
-                return (logps * 0.0).sum()
+                return self._skipped_loss(model)
             raise FloatingPointError(
-                f"the {a.loss_type} loss is {loss.item()} at step {self.state.global_step}; the weights were not "
-                "updated. Lower the learning rate, check the rewards, or set skip_nonfinite_steps=True to skip such "
-                "micro-steps"
+                f"non-finite values in optimizer step {self.state.global_step + 1}: the {a.loss_type} loss is "
+                f"{loss.item()}{_nonfinite_cause(logps, inputs, mask)}; the weights were not updated. Lower the "
+                "learning rate, check the rewards, or set skip_nonfinite_steps=True to skip such micro-steps"
             )
         for key, value in out.metrics.items():
             self._metrics[mode][key].append(value)
         return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # kept for the non-finite gradient check of _TrainerHooks.on_pre_optimizer_step, which runs right after
+        self._last_grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        return self._last_grad_norm
+
+    def _skipped_loss(self, model) -> torch.Tensor:
+        """The loss of a skipped micro-step: zero, and not computed from the non-finite values (0·NaN is NaN). On one
+        process it reaches no parameter, so a step whose micro-steps are all skipped leaves the weights and the
+        optimizer state untouched; under DDP every parameter must take part in backward, so it is 0·θ."""
+        if self.accelerator.num_processes > 1:
+            return sum(p.view(-1)[:1].sum() for p in model.parameters() if p.requires_grad) * 0.0
+        return torch.zeros((), device=self.accelerator.device, requires_grad=True)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -394,21 +468,13 @@ class GRPOTrainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.accelerator.sync_gradients:
-            self.rollout.sync_weights(self.accelerator.unwrap_model(model))
-        return loss
-
     # -- logging ---------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
-        metrics = {}
-        for key, values in self._metrics[mode].items():
-            nums = [float(v.item()) if isinstance(v, torch.Tensor) else float(v) for v in values]
-            nums = [v for v in nums if v == v]
-            if nums:
-                metrics[key] = sum(nums) / len(nums) if key != "skipped_nonfinite" else sum(nums)
+        metrics = _reduce_metrics(self._metrics[mode])
+        if self.accelerator.num_processes > 1:  # every rank logs at the same steps: average over ranks
+            per_rank = gather_object([metrics])
+            metrics = _reduce_metrics({k: [m[k] for m in per_rank if k in m] for k in set().union(*per_rank)})
         if mode == "eval":
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
         logs = {**logs, **metrics}
@@ -422,6 +488,34 @@ class GRPOTrainer(Trainer):
             log_completions_table(s["prompt"], s["completion"], rewards, s["advantage"], self.state.global_step,
                                   max_rows=self.args.num_completions_to_print or 8)
 
+
+
+def _reduce_metrics(values_by_key: dict[str, list]) -> dict[str, float]:
+    """Mean of each metric's values (tensors converted here, at log time: no host sync per micro-step); NaNs are
+    skipped; counters (``skipped_nonfinite``) are summed."""
+    out = {}
+    for key, values in values_by_key.items():
+        nums = [float(v.item()) if isinstance(v, torch.Tensor) else float(v) for v in values]
+        nums = [v for v in nums if v == v]
+        if nums:
+            out[key] = sum(nums) if key == "skipped_nonfinite" else sum(nums) / len(nums)
+    return out
+
+
+def _nonfinite_cause(logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor) -> str:
+    """Which input of a non-finite loss is itself non-finite, for the error message."""
+    on = mask.bool()
+    causes = []
+    for label, value in (("policy log-probs", logps), ("old log-probs", inputs.get("old_logps")),
+                         ("reference log-probs", inputs.get("ref_logps"))):
+        if isinstance(value, torch.Tensor) and value.shape == on.shape:
+            bad = int((~torch.isfinite(value.detach()) & on).sum())
+            if bad:
+                causes.append(f"non-finite {label} at {bad} of {int(on.sum())} completion tokens")
+    adv = inputs.get("advantages")
+    if isinstance(adv, torch.Tensor) and not torch.isfinite(adv).all():
+        causes.append("non-finite advantages")
+    return f" ({'; '.join(causes)})" if causes else ""
 
 
 def _finite(x: float) -> float:
@@ -460,5 +554,6 @@ def _lookup_reward(spec: str):
         return get_reward_func(spec)
     except ValueError:
         if os.path.isdir(spec) or "/" in spec:
-            return transformers.AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1)
+            return transformers.AutoModelForSequenceClassification.from_pretrained(
+                spec, num_labels=1, use_safetensors=True, trust_remote_code=False)
         raise

@@ -56,6 +56,47 @@ def aggregate_loss(
     raise ValueError(f"loss_type={loss_type!r} has no aggregation; allowed: {', '.join(AGGREGATIONS)}")
 
 
+def aggregation_scale(
+    mask: torch.Tensor,
+    loss_type: str,
+    *,
+    rows: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    gradient_accumulation_steps: int = 1,
+    steps_per_generation: int = 1,
+    num_processes: int = 1,
+) -> torch.Tensor | float:
+    """The factor ``s`` (per row (B, 1), or one number) with ``aggregate_loss(ℓ) = Σ mask·s·ℓ`` for every ``ℓ``:
+    one over the normaliser of :func:`aggregate_loss`. ``rows``: ``mask.sum(-1, keepdim=True)`` when already
+    computed. No host sync."""
+    ga = float(gradient_accumulation_steps)
+    if loss_type in SEQUENCE_MEAN:
+        rows = mask.sum(-1, keepdim=True) if rows is None else rows
+        return 1.0 / (rows.clamp(min=1.0) * (max(1, mask.shape[0]) * ga))
+    if loss_type == "bnpo":
+        total = mask.sum() if rows is None else rows.sum()
+        return 1.0 / (total.clamp(min=1.0) * ga)
+    if loss_type == "dr_grpo":
+        length = max_completion_length if max_completion_length is not None else mask.shape[-1]
+        return 1.0 / ((max(1, mask.shape[0]) * length) * ga)
+    if loss_type in GLOBAL_TOKEN_MEAN:
+        if num_items_in_batch is None:
+            n = mask.sum() if rows is None else rows.sum()
+        else:
+            n = torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device)
+        return (num_processes * steps_per_generation / ga) / n.clamp(min=1.0)
+    if loss_type == "luspo":
+        return 1.0 / (max(1, mask.shape[0]) * ga)
+    raise ValueError(f"loss_type={loss_type!r} has no aggregation; allowed: {', '.join(AGGREGATIONS)}")
+
+
+def aggregation_weights(mask: torch.Tensor, loss_type: str, **kwargs) -> torch.Tensor:
+    """The weights ``W = mask·s`` (B, T) with ``aggregate_loss(ℓ) = Σ W·ℓ`` (so ``∂loss/∂ℓ = W``); see
+    :func:`aggregation_scale`."""
+    return mask * aggregation_scale(mask, loss_type, **kwargs)
+
+
 def _row_mean(rows: torch.Tensor) -> torch.Tensor:
     # mean over zero rows is NaN in torch; an empty micro-batch contributes 0 instead.
     return rows.mean() if rows.numel() else rows.sum()

@@ -21,3 +21,22 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor, d: torch.Tensor | None =
     if d is not None:
         kl = kl * torch.exp(torch.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     return kl
+
+
+@torch.no_grad()
+def k3_kl_closed_form(
+    logps: torch.Tensor, ref_logps: torch.Tensor, d: torch.Tensor | None = None, d_in_range: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`k3_kl` and its derivative w.r.t. ``logps``, without autograd: ``∂KL/∂lp = -(e^x - 1)`` where the
+    clamp of ``x`` passes; with ``d`` (bias correction), ``∂(KL·e^d)/∂lp = e^d·(∂KL/∂lp + KL·1[d in range])``
+    (``d_in_range``: 1.0 where the clamp of ``d`` passed, 0.0 where it clamped; None means everywhere)."""
+    raw = ref_logps.detach() - logps
+    x = torch.clamp(raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ex = torch.exp(x)
+    kl = ex - x - 1.0
+    dkl = torch.where(x == raw, 1.0 - ex, 0.0)
+    if d is not None:
+        w = torch.exp(torch.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        dkl = (dkl + (kl if d_in_range is None else kl * d_in_range)) * w
+        kl = kl * w
+    return kl, dkl

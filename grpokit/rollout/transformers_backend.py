@@ -29,12 +29,65 @@ def _merge_lora(model: torch.nn.Module) -> bool:
     return False
 
 
-class TransformersRollout:
-    """The default backend. ``generate`` runs in eval mode under ``no_grad`` and restores the training mode."""
+def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """``G`` when the rows are whole groups of ``G`` identical consecutive prompts (how the trainer sends them),
+    else 1."""
+    n = prompt_ids.shape[0]
+    if n < 2:
+        return 1
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)
+    breaks = (~same).nonzero().flatten().tolist()
+    g = breaks[0] + 1 if breaks else n
+    if g < 2 or n % g:
+        return 1
+    expected = [i * g - 1 for i in range(1, n // g)]
+    return g if breaks == expected else 1
 
-    def __init__(self, tokenizer, max_batch_size: int | None = None):
+
+def _shared_prefix_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, g: int):
+    """Prefill each distinct prompt once, all but its last token, and repeat its KV cache for the ``g`` rows of
+    its group: ``generate`` then only runs the last prompt token of every row before it samples."""
+    from transformers import DynamicCache
+
+    from ..logprobs import position_ids_from_mask
+
+    uniq_ids, uniq_mask = ids[::g, :-1], mask[::g, :-1]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=uniq_ids, attention_mask=uniq_mask, position_ids=position_ids_from_mask(uniq_mask),
+          cache=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(g)
+    return cache
+
+
+def _can_share(model: torch.nn.Module, config: GenerationConfig, prompt_len: int) -> bool:
+    if prompt_len < 2 or getattr(config, "cache_implementation", None) not in (None, "dynamic"):
+        return False
+    if (getattr(config, "num_beams", None) or 1) != 1 or (getattr(config, "num_return_sequences", None) or 1) != 1:
+        return False  # unset fields are None in transformers 5
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "is_encoder_decoder", False):
+        return False
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "cache" in params and "logits_to_keep" in params
+
+
+class TransformersRollout:
+    """The default backend. ``generate`` runs in eval mode under ``no_grad`` and restores the training mode.
+
+    ``share_prompt_prefill``: when the rows come as groups of ``G`` identical prompts, each prompt is encoded
+    once and its KV cache repeated ``G`` times instead of being prefilled ``G`` times (sampling is unchanged:
+    the same tokens come out up to float rounding of the prefill).
+    """
+
+    def __init__(self, tokenizer, max_batch_size: int | None = None, share_prompt_prefill: bool = True):
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.share_prompt_prefill = share_prompt_prefill
 
     def generation_config(self, model: torch.nn.Module, params: SamplingParams) -> GenerationConfig:
         eos = _eos_ids(model, self.tokenizer)
@@ -68,10 +121,15 @@ class TransformersRollout:
         merged = _merge_lora(model)
         try:
             step = self.max_batch_size or prompt_ids.shape[0]
+            share = self.share_prompt_prefill and _can_share(model, config, prompt_ids.shape[1])
             chunks = []
             for start in range(0, prompt_ids.shape[0], step):
                 ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                kwargs = {}
+                g = group_size(ids, mask) if share else 1
+                if g > 1:
+                    kwargs["cache"] = _shared_prefix_cache(model, ids, mask, g)
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
                 chunks.append(out[:, ids.shape[1]:])
         finally:
             if merged:

@@ -6,6 +6,7 @@ same terms in a different order and all-reduce them, which moves float32 results
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,16 @@ def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT) -> s
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(WORKER), str(out), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # own process group, so a timeout kills the workers too, not only the launcher
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout} s:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def single(out: Path, per_device: int, ga: int, losses: list[str], num_generations: int = 4) -> None:

@@ -216,7 +216,7 @@ def test_sampler_logps_apply_the_mismatch_correction(tmp_path):
     """A backend that returns sampler log-probs (as vLLM does) triggers old log-probs and the ratio ρ."""
     tok = tiny_tokenizer()
     rollout = FixedRollout(tok, sampler_noise=0.5)
-    args = make_args(tmp_path, max_steps=1, vllm_importance_sampling_mode="token_truncate")
+    args = make_args(tmp_path, max_steps=2, vllm_importance_sampling_mode="token_truncate")
     trainer = GRPOTrainer(tiny_model(tok), varied_reward, args=args, train_dataset=chat_dataset(),
                           processing_class=tok, rollout_backend=rollout)
     batch = trainer._generate_and_score([trainer.train_dataset[0]] * 4, mode="train")
@@ -224,7 +224,7 @@ def test_sampler_logps_apply_the_mismatch_correction(tmp_path):
     assert batch["sampler_ratio"].shape == batch["completion_ids"].shape
     assert (batch["sampler_ratio"] <= 3.0).all()
     trainer.train()
-    assert rollout.synced == 1  # weights synced after the optimizer step
+    assert rollout.synced == 1  # synced once: before the second generation, after the first optimizer step
 
 
 def test_resume_from_checkpoint(tmp_path):

@@ -1,0 +1,163 @@
+"""One GRPO step on SmolLM2-135M, grpokit's GRPOTrainer vs TRL 1.16's, each in its own subprocess, alternated.
+
+8 completions per step (2 prompts × G=4), exactly 48 new tokens each (``min_new_tokens``), fp32, no gradient
+checkpointing, loss dapo, beta 0, the same seed, weights and prompts (no shuffling) for both.
+
+    python benchmarks/bench_step.py                 # 2 alternated runs per side, writes RESULTS.md
+    python benchmarks/bench_step.py --runs 1 --steps 4 --no-write
+    python benchmarks/bench_step.py --child grpokit --steps 4   # one side, prints JSON
+
+Per step it records wall time and where it went: ``generate`` (the model's ``generate``), ``forward`` (the
+trainer's ``compute_loss``: log-probs + loss), ``backward`` (``accelerator.backward``) and ``rest`` (rewards,
+tokenising, optimizer, bookkeeping). The first step is warm-up and not counted. ``GRPOKIT_SRC`` points the
+grpokit child at another checkout (e.g. the code before a change) to compare rewards and profiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROWS, G, NEW_TOKENS = 8, 4, 48
+
+
+def child(side: str, steps: int, seed: int) -> dict:
+    sys.path.insert(0, os.environ.get("GRPOKIT_SRC") or os.path.dirname(HERE))
+    import torch
+    import transformers
+    from datasets import Dataset
+
+    from grpokit.models import load_model, load_tokenizer
+    from grpokit.rewards import correctness, format_reward
+    from grpokit.tasks import get_task
+
+    torch.manual_seed(seed)
+    task = get_task("arithmetic", seed=0)
+    rows = list(task.train_dataset)[:64]
+    dataset = Dataset.from_list(rows)
+    model = load_model("smollm2-135m-instruct")
+    tok = load_tokenizer("smollm2-135m-instruct")
+    common = dict(
+        output_dir=f"/tmp/bench_step_{side}", per_device_train_batch_size=ROWS, num_generations=G,
+        max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS}, max_steps=steps,
+        learning_rate=1e-5, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=seed,
+        gradient_checkpointing=False, bf16=False, shuffle_dataset=False, disable_tqdm=True, temperature=1.0,
+        loss_type="dapo", beta=0.0,
+    )
+    if side == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+
+        # TRL 1.16 on transformers 5 rejects warmup_ratio and needs gradient_checkpointing=False (set above)
+    else:
+        from grpokit import GRPOConfig, GRPOTrainer
+    trainer = GRPOTrainer(model=model, reward_funcs=[correctness, format_reward], args=GRPOConfig(**common),
+                          train_dataset=dataset, processing_class=tok)
+
+    spent = {"generate": 0.0, "forward": 0.0, "backward": 0.0}
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return wrapper
+
+    cls = type(model)
+    cls.generate = timed("generate", cls.generate)
+    trainer.compute_loss = timed("forward", trainer.compute_loss)
+    trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
+
+    records = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            for k in spent:
+                spent[k] = 0.0
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            wall = time.perf_counter() - self.t0
+            records.append({"wall": wall, **spent, "rest": wall - sum(spent.values())})
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    lengths = [h.get("completions/mean_length") for h in trainer.state.log_history if "reward" in h]
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"side": side, "steps": records, "rewards": rewards, "mean_length": lengths, "peak_rss_mb": peak_mb}
+
+
+def run_child(side: str, steps: int, seed: int, before: str | None = None) -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if side == "grpokit-before":
+        env["GRPOKIT_SRC"] = before
+    child_side = "grpokit" if side.startswith("grpokit") else side
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", child_side, "--steps", str(steps),
+                          "--seed", str(seed)], capture_output=True, text=True, env=env, cwd=HERE)
+    if out.returncode != 0:
+        raise RuntimeError(f"{side} child failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(results: list[dict]) -> dict:
+    steps = [s for r in results for s in r["steps"][1:]]  # first step of each run is warm-up
+    med = {k: statistics.median(s[k] for s in steps) for k in ("wall", "generate", "forward", "backward", "rest")}
+    return {**med, "tok_s": ROWS * NEW_TOKENS / med["wall"], "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+            "n": len(steps), "rewards": [r["rewards"] for r in results]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--sides", default="grpokit,trl")
+    ap.add_argument("--before", help="a checkout of grpokit before a change: adds the side 'grpokit-before'")
+    args = ap.parse_args()
+    if args.child:
+        res = child(args.child, args.steps, args.seed)
+        res["side"] = "grpokit-before" if os.environ.get("GRPOKIT_SRC") else args.child
+        print(json.dumps(res))
+        return
+    sides = args.sides.split(",") + (["grpokit-before"] if args.before else [])
+    results = {s: [] for s in sides}
+    for r in range(args.runs):
+        for side in (sides if r % 2 == 0 else list(reversed(sides))):
+            res = run_child(side, args.steps, args.seed, args.before)
+            results[side].append(res)
+            print(side, json.dumps({k: v for k, v in res.items() if k != "steps"}),
+                  [round(s["wall"], 2) for s in res["steps"]], flush=True)
+    summ = {s: summarize(v) for s, v in results.items()}
+    lines = ["| | step s (median) | generate s | forward s | backward s | rest s | completion tok/s | peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s, v in summ.items():
+        lines.append(f"| {s} | {v['wall']:.2f} | {v['generate']:.2f} | {v['forward']:.2f} | {v['backward']:.2f} | "
+                     f"{v['rest']:.2f} | {v['tok_s']:.1f} | {v['peak_rss_mb']:.0f} |")
+    text = "\n".join(lines)
+    if "grpokit" in summ and "trl" in summ:
+        g, t = summ["grpokit"], summ["trl"]
+        text += (f"\n\ngrpokit / TRL: {g['tok_s'] / t['tok_s']:.2f}× completion tokens/s (target ≥ 1.3×), "
+                 f"{g['peak_rss_mb'] / t['peak_rss_mb']:.2f}× peak RSS (target ≤ 0.8×). {args.runs} alternated "
+                 f"runs per side × {args.steps} steps, first step of each run not counted ({g['n']} steps per side).")
+    text += "\n\nRewards per step, by run: " + "; ".join(f"{s}: {v['rewards']}" for s, v in summ.items())
+    print(text)
+    if not args.no_write:
+        sys.path.insert(0, HERE)
+        from _common import write_section
+
+        write_section("GRPO step on SmolLM2-135M", "python benchmarks/bench_step.py", text)
+
+
+if __name__ == "__main__":
+    main()

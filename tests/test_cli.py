@@ -1,0 +1,123 @@
+"""The command line: a whole job on a tiny saved model, and one-line errors with exit status 2."""
+
+import json
+
+import pytest
+import yaml
+from tiny import tiny_model, tiny_tokenizer
+
+from grpokit.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_model")
+    tok = tiny_tokenizer()
+    tiny_model(tok).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def write_yaml(path, spec):
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def base_spec(tiny_dir, out):
+    return {
+        "model": str(tiny_dir), "task": "arithmetic", "output_dir": str(out), "per_device_train_batch_size": 4,
+        "num_generations": 4, "max_completion_length": 8, "max_steps": 2, "logging_steps": 1,
+        "save_strategy": "no", "report_to": "none", "gradient_checkpointing": False, "use_cpu": True,
+        "learning_rate": "1e-3",  # YAML reads 1e-3 as a string: it must still be accepted as a number
+        "eval": {"n": 4, "max_new_tokens": 8},
+    }
+
+
+def test_train_writes_metrics_plots_and_report(tmp_path, tiny_dir, capsys):
+    out = tmp_path / "run"
+    cfg = write_yaml(tmp_path / "c.yaml", base_spec(tiny_dir, out))
+    assert main(["train", cfg, "--quiet", "--set", "loss_type=vespo"]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "reward" in x] == [1, 2]
+    report = json.loads((out / "report.json").read_text())
+    for key in ("eval_before", "eval_after"):
+        assert {"reward_mean", "accuracy", "n"} <= set(report[key]) and report[key]["n"] == 4
+    assert report["config"]["loss_type"] == "vespo" and report["config"]["learning_rate"] == 1e-3
+    assert report["wall_time_s"] > 0
+    assert (out / "report.md").exists() and (out / "reward.png").exists()
+    assert (out / "final").is_dir()
+    text = capsys.readouterr().out
+    assert "step 1/2" in text and "before:" in text and "after:" in text
+
+
+def test_lora_job(tmp_path, tiny_dir):
+    out = tmp_path / "lora"
+    spec = base_spec(tiny_dir, out) | {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                                       "eval": {"n": 4, "max_new_tokens": 8, "before": False}}
+    assert main(["train", write_yaml(tmp_path / "c.yaml", spec), "--quiet"]) == 0
+    assert (out / "final" / "adapter_config.json").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["eval_before"] is None and report["eval_after"]["n"] == 4
+
+
+BAD_SPECS = [
+    ({"loss_typ": "dapo"}, "unknown config key 'loss_typ'; did you mean loss_type"),
+    ({"loss_type": "ppo"}, "loss_type='ppo' is not allowed"),
+    ({"learning_rate": "fast"}, "learning_rate='fast' is not allowed: expected"),
+    ({"num_generations": 2.5}, "num_generations=2.5 is not allowed"),
+    ({"gradient_checkpointing": "yes"}, "gradient_checkpointing='yes' is not allowed: expected true or false"),
+    ({"task": "nonexistent_task"}, "nonexistent_task"),
+    ({"reward_funcs": ["no_such_reward"]}, "no_such_reward"),
+    ({"eval": {"m": 3}}, "unknown eval key"),
+    ({"lora": 16}, "lora=16 is not allowed"),
+    ({"time_budget_s": -5}, "time_budget_s=-5 is not allowed"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_SPECS, ids=[str(b[0]) for b in BAD_SPECS])
+def test_bad_config_is_one_line_and_exit_2(tmp_path, tiny_dir, capsys, override, message):
+    spec = base_spec(tiny_dir, tmp_path / "x") | override
+    assert main(["train", write_yaml(tmp_path / "c.yaml", spec)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("grpokit: error:") and message in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()  # nothing ran
+
+
+def test_bad_files(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    assert main(["train", str(tmp_path / "bad.yaml")]) == 2
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    assert main(["train", str(tmp_path / "list.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "not valid YAML" in err and "must hold a mapping" in err
+
+
+def test_examples_parse_and_validate():
+    """Every shipped example config passes validation (nothing is loaded)."""
+    from pathlib import Path
+
+    from grpokit.job import prepare
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    files = sorted(root.glob("*.yaml"))
+    assert len(files) >= 7
+    for f in files:
+        spec = yaml.safe_load(f.read_text())
+        job, config, task, rewards, lora, ev = prepare(spec)
+        assert job["model"] and rewards
+
+
+def test_eval_command(tiny_dir, capsys):
+    assert main(["eval", "--model", str(tiny_dir), "--task", "arithmetic", "-n", "4", "--max-new-tokens", "4",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "95% CI" in out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["n"] == 4 and 0.0 <= summary["accuracy"] <= 1.0 and len(summary["accuracy_ci95"]) == 2
+
+
+def test_eval_unknown_task_is_one_line(tiny_dir, capsys):
+    assert main(["eval", "--model", str(tiny_dir), "--task", "no_such_task"]) == 2
+    assert "no_such_task" in capsys.readouterr().err

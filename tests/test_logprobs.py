@@ -1,0 +1,197 @@
+"""The chunked log-prob / entropy path against the plain full-softmax computation: values and gradients."""
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from grpokit.logprobs import completion_logps, lean_head, linear_logps_and_entropy
+
+
+def _plain(h, w, t, b=None, tau=1.0):
+    z = h @ w.t()
+    if b is not None:
+        z = z + b
+    logp_all = (z / tau).log_softmax(-1)
+    lp = logp_all.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return lp, ent
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_matches_full_softmax_values_and_gradients(tau, entropy_grad, bias):
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 37, 16, 1000
+    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[0], t[1] = 0, v - 1  # the first and the last vocabulary entry
+    # blocks that do not divide the sizes: ragged last row block and vocabulary tile
+    lp, ent = linear_logps_and_entropy(h, w, t, b, temperature=tau, entropy_grad=entropy_grad,
+                                       block_rows=8, block_vocab=300)
+    lp_ref, ent_ref = _plain(h, w, t, b, tau)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-12)
+    assert ent.requires_grad == entropy_grad
+
+    g_lp = torch.randn(n, generator=g, dtype=torch.float64)
+    g_ent = torch.randn(n, generator=g, dtype=torch.float64)
+    inputs = [h, w] + ([b] if bias else [])
+    loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
+    loss_ref = (lp_ref * g_lp).sum() + ((ent_ref * g_ent).sum() if entropy_grad else 0.0)
+    for got, want in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(loss_ref, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_chunked_float32_large_logits_and_frozen_weight():
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(50, 32, generator=g) * 4).requires_grad_(True)  # logits of size ~100: online max matters
+    w = torch.randn(3000, 32, generator=g)  # frozen: no grad_W computed
+    t = torch.randint(0, 3000, (50,), generator=g)
+    lp, ent = linear_logps_and_entropy(h, w, t, block_rows=16, block_vocab=512)
+    lp_ref, ent_ref = _plain(h, w, t)
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-4)
+    (gh,) = torch.autograd.grad(lp.sum(), [h])
+    (gh_ref,) = torch.autograd.grad(lp_ref.sum(), [h])
+    torch.testing.assert_close(gh, gh_ref, rtol=1e-4, atol=1e-5)
+    assert w.grad is None
+
+
+def test_chunked_no_rows_and_bf16():
+    w = torch.randn(100, 8, requires_grad=True)
+    lp, ent = linear_logps_and_entropy(torch.zeros(0, 8, requires_grad=True), w, torch.zeros(0, dtype=torch.long))
+    assert lp.shape == (0,) and ent.shape == (0,)
+    lp.sum().backward()
+    assert torch.count_nonzero(w.grad) == 0
+    h = torch.randn(10, 8)
+    t = torch.randint(0, 100, (10,))
+    lp16, _ = linear_logps_and_entropy(h.bfloat16(), w.detach().bfloat16(), t)
+    assert lp16.dtype == torch.float32
+    torch.testing.assert_close(lp16, _plain(h, w.detach(), t)[0], rtol=0.05, atol=0.1)
+
+
+def _batch(tok, seed=0, b=4, p=6, c=7):
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(10, len(tok), (b, p), generator=g)
+    prompt_mask = torch.ones(b, p, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # left padding
+    prompt_ids[0, :2] = tok.pad_token_id
+    completion_ids = torch.randint(10, len(tok), (b, c), generator=g)
+    completion_mask = torch.ones(b, c, dtype=torch.long)
+    completion_mask[1, 4:] = 0  # right padding after an EOS
+    completion_mask[2, :] = 0  # a fully masked row
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _both_paths(model, batch, tau, entropy_grad=False):
+    out = {}
+    for lean in (True, False):
+        model.zero_grad(set_to_none=True)
+        lp, ent = completion_logps(model, *batch, temperature=tau, entropy_grad=entropy_grad, lean=lean)
+        w = torch.linspace(-1, 1, lp.numel()).reshape(lp.shape)
+        loss = (lp * w).sum() + ((ent * w.flip(-1)).sum() if entropy_grad else 0.0)
+        loss.backward()
+        out[lean] = (lp.detach(), ent.detach(), _grads(model))
+    return out
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tau", [1.0, 0.6])
+def test_completion_logps_lean_equals_plain_through_a_model(tie, tau):
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, tie=tie).double()
+    assert lean_head(model) is model.lm_head
+    batch = _batch(tok)
+    out = _both_paths(model, batch, tau, entropy_grad=not tie)
+    (lp, ent, grads), (lp_ref, ent_ref, grads_ref) = out[True], out[False]
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-10)
+    mask = batch[3].bool()
+    assert (lp[~mask] == 0).all() and (ent[~mask] == 0).all() and (lp[mask] < 0).all()
+    assert grads.keys() == grads_ref.keys()
+    assert ("lm_head.weight" in grads) != tie  # tied: the head's gradient lands on the embedding
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_completion_logps_lean_with_lora_and_batches():
+    peft = pytest.importorskip("peft")
+    tok = tiny_tokenizer()
+    model = peft.get_peft_model(
+        tiny_model(tok).double(),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                        init_lora_weights=False),
+    )
+    assert lean_head(model) is not None
+    batch = _batch(tok, seed=3)
+    out = _both_paths(model, batch, 0.9)
+    (lp, _, grads), (lp_ref, _, grads_ref) = out[True], out[False]
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-10)
+    assert grads.keys() == grads_ref.keys() and all("lora_" in n for n in grads)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-8, atol=1e-10, msg=name)
+    with model.disable_adapter():  # the reference policy
+        ref = completion_logps(model, *batch, compute_entropy=False, batch_size=3)[0]
+        ref_plain = completion_logps(model, *batch, compute_entropy=False, lean=False)[0]
+    torch.testing.assert_close(ref, ref_plain, rtol=0, atol=1e-10)
+    assert not torch.allclose(ref, lp)
+
+
+def test_lean_head_falls_back_for_unknown_heads():
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    model.config.final_logit_softcapping = 30.0
+    assert lean_head(model) is None
+    model.config.final_logit_softcapping = None
+    assert lean_head(model) is model.lm_head
+    assert lean_head(torch.nn.Linear(2, 2)) is None
+    batch = _batch(tok)
+    ref = completion_logps(model, *batch, lean=False)[0]
+    model.lm_head = torch.nn.Sequential(torch.nn.Linear(32, len(tok)))
+    assert lean_head(model) is None
+    lp, ent = completion_logps(model, *batch)  # the plain path still works
+    assert lp.shape == batch[2].shape and (lp[batch[3].bool()] < 0).all()
+
+
+def test_lean_path_takes_what_the_model_hands_its_head():
+    # a model that transforms the hidden states between its decoder and its head (here: scales them) is still
+    # exact, because the head's own input is used; and the head projects nothing during that forward
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, tie=False).double()
+    batch = _batch(tok)
+    ref = completion_logps(model, *batch, lean=False)[0]
+    forward = type(model.model).forward
+
+    def scaled(self, *a, **k):
+        out = forward(self, *a, **k)
+        out.last_hidden_state = out.last_hidden_state * 0.5
+        return out
+
+    model.model.forward = scaled.__get__(model.model)
+    shapes = []
+    model.lm_head.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+    lp = completion_logps(model, *batch)[0]
+    assert shapes == [(batch[0].shape[0], 0, len(tok))]  # no logits were computed
+    plain = completion_logps(model, *batch, lean=False)[0]
+    torch.testing.assert_close(lp, plain, rtol=0, atol=1e-10)
+    assert not torch.allclose(lp, ref)
+
+
+def test_lean_path_under_autocast():
+    # accelerate's mixed precision patches the model's forward with autocast: the lean path runs that forward, so the
+    # decoder runs in bf16 like the plain path's, and the head projects in its own float32
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    batch = _batch(tok)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = completion_logps(model, *batch)[0]
+        plain = completion_logps(model, *batch, lean=False)[0]
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, plain, rtol=0.02, atol=0.05)

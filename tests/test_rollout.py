@@ -1,0 +1,67 @@
+"""The transformers rollout backend: a shared prompt is prefilled once per group and its KV cache repeated,
+with the same completions as prefilling every row."""
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from grpokit.rollout.base import SamplingParams
+from grpokit.rollout.transformers_backend import TransformersRollout, group_size
+
+
+def _prompts(tok, texts, g):
+    enc = tok(texts, return_tensors="pt", padding=True)
+    return enc.input_ids.repeat_interleave(g, 0), enc.attention_mask.repeat_interleave(g, 0)
+
+
+def test_group_size_detects_whole_groups_only():
+    tok = tiny_tokenizer()
+    ids, mask = _prompts(tok, ["hello there", "hi", "hey you"], 4)
+    assert group_size(ids, mask) == 4
+    assert group_size(ids[:6], mask[:6]) == 1  # a partial group
+    assert group_size(ids[::4], mask[::4]) == 1  # all distinct
+    same, same_mask = _prompts(tok, ["abc"], 5)
+    assert group_size(same, same_mask) == 5
+    ids2 = ids.clone()
+    ids2[5, -1] = 7  # one row of the second group differs
+    assert group_size(ids2, mask) == 1
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_shared_prefill_gives_the_same_completions(g):
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    ids, mask = _prompts(tok, ["hello there", "hi", "what is 2 + 2?"], g)
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, extra={"min_new_tokens": 4})
+    outs, prefilled = [], []
+    hook = model.model.register_forward_pre_hook(
+        lambda m, a, k: prefilled.append(k["input_ids"].numel()) if len(prefilled) < 2 else None, with_kwargs=True)
+    for share in (False, True):
+        torch.manual_seed(0)
+        model.train()
+        prefilled.clear()
+        out = TransformersRollout(tok, share_prompt_prefill=share).generate(model, ids, mask, params)
+        assert model.training  # the mode is restored
+        outs.append((out, sum(prefilled)))
+    hook.remove()
+    (plain, plain_tokens), (shared, shared_tokens) = outs
+    assert torch.equal(plain.completion_ids, shared.completion_ids)
+    assert torch.equal(plain.completion_mask, shared.completion_mask)
+    # tokens of the first two forwards: the prefill of every prompt row and the first decode step; shared: each
+    # distinct prompt once (all but its last token), then the last prompt token of every row
+    n, length = ids.shape
+    assert plain_tokens == n * length + n
+    assert shared_tokens == (plain_tokens if g == 1 else (n // g) * (length - 1) + n)
+
+
+def test_shared_prefill_with_max_batch_size_and_static_cache_fallback():
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    ids, mask = _prompts(tok, ["hello there", "hi"], 4)
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    base = TransformersRollout(tok, share_prompt_prefill=False).generate(model, ids, mask, params)
+    chunked = TransformersRollout(tok, max_batch_size=4).generate(model, ids, mask, params)
+    assert torch.equal(base.completion_ids, chunked.completion_ids)
+    static = SamplingParams(max_new_tokens=6, do_sample=False, extra={"cache_implementation": "static"})
+    out = TransformersRollout(tok).generate(model, ids, mask, static)  # not shared: generate owns its cache
+    assert torch.equal(base.completion_ids, out.completion_ids)
