@@ -28,9 +28,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS, G, NEW_TOKENS = 8, 4, 48
 
 
-def child(side: str, steps: int, seed: int) -> dict:
+def child(side: str, steps: int, seed: int, threads: int = 0) -> dict:
     sys.path.insert(0, os.environ.get("GRPOKIT_SRC") or os.path.dirname(HERE))
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
     import transformers
     from datasets import Dataset
 
@@ -96,13 +99,14 @@ def child(side: str, steps: int, seed: int) -> dict:
     return {"side": side, "steps": records, "rewards": rewards, "mean_length": lengths, "peak_rss_mb": peak_mb}
 
 
-def run_child(side: str, steps: int, seed: int, before: str | None = None) -> dict:
+def run_child(side: str, steps: int, seed: int, before: str | None = None, threads: int = 0) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if side == "grpokit-before":
         env["GRPOKIT_SRC"] = before
     child_side = "grpokit" if side.startswith("grpokit") else side
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", child_side, "--steps", str(steps),
-                          "--seed", str(seed)], capture_output=True, text=True, env=env, cwd=HERE)
+                          "--seed", str(seed), "--threads", str(threads)], capture_output=True, text=True, env=env,
+                         cwd=HERE)
     if out.returncode != 0:
         raise RuntimeError(f"{side} child failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -124,18 +128,29 @@ def main():
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--sides", default="grpokit,trl")
     ap.add_argument("--before", help="a checkout of grpokit before a change: adds the side 'grpokit-before'")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per child (0: torch's default)")
+    ap.add_argument("--save", help="append every run's JSON to this file")
+    ap.add_argument("--load", help="summarize the runs saved in this file (with --save) instead of running")
     args = ap.parse_args()
     if args.child:
-        res = child(args.child, args.steps, args.seed)
+        res = child(args.child, args.steps, args.seed, args.threads)
         res["side"] = "grpokit-before" if os.environ.get("GRPOKIT_SRC") else args.child
         print(json.dumps(res))
         return
     sides = args.sides.split(",") + (["grpokit-before"] if args.before else [])
     results = {s: [] for s in sides}
-    for r in range(args.runs):
+    if args.load:
+        for line in open(args.load):
+            res = json.loads(line)
+            results.setdefault(res["side"], []).append(res)
+        results = {s: v for s, v in results.items() if v}
+    for r in range(0 if args.load else args.runs):
         for side in (sides if r % 2 == 0 else list(reversed(sides))):
-            res = run_child(side, args.steps, args.seed, args.before)
+            res = run_child(side, args.steps, args.seed, args.before, args.threads)
             results[side].append(res)
+            if args.save:
+                with open(args.save, "a") as f:
+                    f.write(json.dumps(res) + "\n")
             print(side, json.dumps({k: v for k, v in res.items() if k != "steps"}),
                   [round(s["wall"], 2) for s in res["steps"]], flush=True)
     summ = {s: summarize(v) for s, v in results.items()}
@@ -147,9 +162,11 @@ def main():
     text = "\n".join(lines)
     if "grpokit" in summ and "trl" in summ:
         g, t = summ["grpokit"], summ["trl"]
+        runs = len(g["rewards"])
         text += (f"\n\ngrpokit / TRL: {g['tok_s'] / t['tok_s']:.2f}× completion tokens/s (target ≥ 1.3×), "
-                 f"{g['peak_rss_mb'] / t['peak_rss_mb']:.2f}× peak RSS (target ≤ 0.8×). {args.runs} alternated "
-                 f"runs per side × {args.steps} steps, first step of each run not counted ({g['n']} steps per side).")
+                 f"{g['peak_rss_mb'] / t['peak_rss_mb']:.2f}× peak RSS (target ≤ 0.8×). {runs} alternated "
+                 f"runs per side, first step of each run not counted ({g['n']} steps per side); torch threads: "
+                 f"{args.threads or 'default'}.")
     text += "\n\nRewards per step, by run: " + "; ".join(f"{s}: {v['rewards']}" for s, v in summ.items())
     print(text)
     if not args.no_write:
