@@ -131,6 +131,7 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch threads per child (0: torch's default)")
     ap.add_argument("--save", help="append every run's JSON to this file")
     ap.add_argument("--load", help="summarize the runs saved in this file (with --save) instead of running")
+    ap.add_argument("--command", help="with --load: the command that produced the saved runs, for RESULTS.md")
     args = ap.parse_args()
     if args.child:
         res = child(args.child, args.steps, args.seed, args.threads)
@@ -173,7 +174,10 @@ def main():
         sys.path.insert(0, HERE)
         from _common import write_section
 
-        write_section("GRPO step on SmolLM2-135M", "python benchmarks/bench_step.py", text)
+        command = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
+        if args.load:
+            command = f"{args.command or command}` (runs saved with --save, summarised with `--load"
+        write_section("GRPO step on SmolLM2-135M", command.strip(), text)
 
 
 if __name__ == "__main__":

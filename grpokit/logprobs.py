@@ -250,7 +250,9 @@ def lean_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     return head
 
 
-def _head_inputs(model: torch.nn.Module, head: torch.nn.Linear, input_ids, mask, keep: int) -> torch.Tensor | None:
+def _head_inputs(
+    model: torch.nn.Module, head: torch.nn.Linear, input_ids, mask, keep: int, cache=None, position_ids=None,
+) -> torch.Tensor | None:
     """The hidden states the model hands its LM head for the last ``keep`` positions (B, keep, D), from a forward
     in which the head itself projects nothing: a pre-hook on the head keeps its input and passes on an empty slice.
     The model's own forward runs (so its wrappers do: DDP, PEFT, accelerate's autocast). None when the head was
@@ -262,16 +264,64 @@ def _head_inputs(model: torch.nn.Module, head: torch.nn.Linear, input_ids, mask,
         return (args[0][..., :0, :],) + tuple(args[1:])
 
     handle = head.register_forward_pre_hook(hook)
+    if position_ids is None:
+        position_ids = position_ids_from_mask(mask)
+    kwargs = dict(use_cache=False) if cache is None else dict(cache=cache, use_cache=True)
     try:
-        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
-              logits_to_keep=keep)
-    except TypeError:  # no logits_to_keep
+        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep, **kwargs)
+    except TypeError:  # no logits_to_keep (or no cache)
         return None
     finally:
         handle.remove()
     if len(seen) != 1 or seen[0].dim() != 3 or seen[0].shape[:2] != (input_ids.shape[0], keep):
         return None
     return seen[0]
+
+
+def _shares_prompts(model: torch.nn.Module) -> bool:
+    """Whether a prompt can be encoded once for its group: two forwards before one backward are fine (no DDP
+    wrapper), no activation checkpointing (it turns the cache off), no active dropout (the rows of a group would
+    share one dropout draw on the prompt), and a ``cache`` argument."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return False
+    base = _unwrap(model)
+    if base is None or getattr(base, "is_activation_checkpointing", False):
+        return False
+    if model.training:
+        cfg = getattr(base, "config", None)
+        if getattr(cfg, "attention_dropout", 0.0) or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in base.modules()
+        ):
+            return False
+    import inspect
+
+    try:
+        return "cache" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g: int):
+    """The head inputs (B, C, D) for predicting each completion token, with every prompt encoded once for its
+    group of ``g`` identical consecutive rows: a forward over the distinct prompts fills a KV cache, repeated
+    ``g`` times (autograd sums the rows' gradients back onto the prompt), then a forward over the completion
+    tokens only. The same numbers as encoding every row, up to float rounding; None when a forward does not fit."""
+    from transformers import DynamicCache
+
+    base = _unwrap(model)
+    c = completion_ids.shape[1]
+    uniq_ids, uniq_mask = prompt_ids[::g], prompt_mask[::g]
+    cache = DynamicCache(config=base.config)
+    last = _head_inputs(model, head, uniq_ids, uniq_mask, 1, cache=cache)  # predicts completion token 0
+    if last is None:
+        return None
+    cache.batch_repeat_interleave(g)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    positions = position_ids_from_mask(mask)[:, prompt_ids.shape[1]:]
+    rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions)
+    if rest is None:
+        return None
+    return torch.cat([last.repeat_interleave(g, 0), rest[:, :-1]], 1)
 
 
 def completion_logps(
@@ -286,17 +336,22 @@ def completion_logps(
     entropy_grad: bool = False,
     batch_size: int | None = None,
     lean: bool = True,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of ``completion_ids`` given the prompts under ``model``, and entropies (B, C).
 
     Rows are processed ``batch_size`` at a time (all at once when None). Gradients flow when enabled by the
     caller. Positions where ``completion_mask`` is 0 get 0. ``lean=False`` forces the plain (logits) path.
+    ``share_prompts``: rows that come as groups of identical consecutive prompts (the ``G`` completions of a
+    prompt) encode their prompt once per group, on the lean path, when the model allows it (see
+    :func:`_shares_prompts`): less compute and activation memory in the forward and the backward.
     """
     b, c = completion_ids.shape
     if c == 0:
         empty = completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
         return empty, (empty.clone() if compute_entropy else None)
     head = lean_head(model) if lean else None
+    share = share_prompts and head is not None and prompt_ids.shape[1] > 0 and _shares_prompts(model)
     step = batch_size or b
     logps, ents = [], []
     for start in range(0, b, step):
@@ -304,9 +359,19 @@ def completion_logps(
         input_ids = torch.cat([prompt_ids[sl], completion_ids[sl]], 1)
         mask = torch.cat([prompt_mask[sl], completion_mask[sl]], 1)
         valid = completion_mask[sl].bool()
-        hidden = _head_inputs(model, head, input_ids, mask, c + 1) if head is not None else None
+        hidden = None
+        if head is not None:
+            from .rollout.transformers_backend import group_size
+
+            g = group_size(prompt_ids[sl], prompt_mask[sl]) if share else 1
+            if g > 1:
+                hidden = _shared_prompt_head_inputs(model, head, prompt_ids[sl], prompt_mask[sl], completion_ids[sl],
+                                                    completion_mask[sl], g)
+            if hidden is None:
+                hidden = _head_inputs(model, head, input_ids, mask, c + 1)
+                hidden = hidden[:, :-1] if hidden is not None else None
         if hidden is not None:
-            hidden = hidden[:, :-1][valid]
+            hidden = hidden[valid]
             if hidden.dtype != head.weight.dtype:  # autocast: project in the head's own dtype
                 hidden = hidden.to(head.weight.dtype)
             lp_v, ent_v = linear_logps_and_entropy(

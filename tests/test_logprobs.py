@@ -195,3 +195,76 @@ def test_lean_path_under_autocast():
         plain = completion_logps(model, *batch, lean=False)[0]
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, plain, rtol=0.02, atol=0.05)
+
+
+def _grouped_batch(tok, g=3, seed=0):
+    prompt_ids, prompt_mask, completion_ids, _ = _batch(tok, seed=seed, b=3)
+    prompt_ids, prompt_mask = prompt_ids[:2], prompt_mask[:2]  # row 0 is left-padded
+    gen = torch.Generator().manual_seed(seed + 1)
+    completion_ids = torch.randint(10, len(tok), (2 * g, completion_ids.shape[1]), generator=gen)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 3:] = 0
+    completion_mask[4, :] = 0
+    # the G completions of each prompt come consecutively
+    return prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0), completion_ids, completion_mask
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prompts_equal_encoding_every_row(lora):
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, tie=False).double()
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           lora_dropout=0.0, init_lora_weights=False))
+    batch = _grouped_batch(tok)
+    forwards = []
+    inner = model.get_base_model() if lora else model
+    inner.model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape), with_kwargs=True)
+    out = {}
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        forwards.clear()
+        lp, ent = completion_logps(model, *batch, temperature=0.8, entropy_grad=True, share_prompts=share)
+        w = torch.linspace(-1, 1, lp.numel()).reshape(lp.shape).double()
+        ((lp * w).sum() + (ent * w.flip(-1)).sum()).backward()
+        out[share] = (lp.detach(), ent.detach(), _grads(model), list(forwards))
+    (lp, ent, grads, fw), (lp_ref, ent_ref, grads_ref, fw_ref) = out[True], out[False]
+    p, c = batch[0].shape[1], batch[2].shape[1]
+    assert fw == [(2, p), (6, c)] and fw_ref == [(6, p + c)]  # each prompt once, then only the completions
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-10)
+    assert grads.keys() == grads_ref.keys() and grads
+    # Llama's RMSNorm computes in float32 even in a float64 model, and the shared prompt sums its rows' gradients
+    # before that norm's backward rather than after: equal up to float32 rounding
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-6, msg=name)
+    # no-grad passes (old and reference policy), in micro-batches that cut a group in two
+    with torch.no_grad():
+        lp_nb = completion_logps(model, *batch, temperature=0.8, compute_entropy=False, batch_size=4)[0]
+    torch.testing.assert_close(lp_nb, lp_ref, rtol=0, atol=1e-10)
+
+
+def test_prompts_are_not_shared_with_dropout_or_checkpointing():
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    batch = _grouped_batch(tok)
+    forwards = []
+    model.model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape), with_kwargs=True)
+    model.config.attention_dropout = 0.1
+    model.train()
+    completion_logps(model, *batch)
+    assert len(forwards) == 1
+    with torch.no_grad():
+        forwards.clear()
+        completion_logps(model, *batch)  # train mode: dropout is drawn without gradient too
+        assert len(forwards) == 1
+        model.eval()
+        completion_logps(model, *batch)
+        assert len(forwards) == 3  # eval mode: shared
+    model.train()
+    model.config.attention_dropout = 0.0
+    model.gradient_checkpointing_enable()
+    forwards.clear()
+    completion_logps(model, *batch)
+    assert len(forwards) == 1
