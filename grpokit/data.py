@@ -11,6 +11,16 @@ import torch
 from torch.utils.data import Sampler
 
 
+def check_prompt_count(num_prompts: int, prompts_per_batch: int, how: str = "generation_batch_size / "
+                       "num_generations") -> None:
+    """One generation batch needs ``prompts_per_batch`` distinct prompts; fewer is an error naming the numbers."""
+    if num_prompts < prompts_per_batch:
+        raise ValueError(
+            f"train_dataset has {num_prompts} prompts, fewer than the {prompts_per_batch} prompts of one generation "
+            f"batch ({how}); add prompts or lower per_device_train_batch_size"
+        )
+
+
 class GroupRepeatSampler(Sampler[int]):
     """Yields dataset indices so that each dataloader batch is one generation batch.
 
@@ -25,11 +35,7 @@ class GroupRepeatSampler(Sampler[int]):
         self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int = 1,
         shuffle: bool = True, seed: int = 0,
     ):
-        if num_prompts < prompts_per_batch:
-            raise ValueError(
-                f"train_dataset has {num_prompts} prompts, fewer than the {prompts_per_batch} prompts of one "
-                f"generation batch (generation_batch_size / num_generations); add prompts or lower the batch"
-            )
+        check_prompt_count(num_prompts, prompts_per_batch)
         self.num_prompts = num_prompts
         self.num_generations = num_generations
         self.prompts_per_batch = prompts_per_batch

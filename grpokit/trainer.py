@@ -29,7 +29,7 @@ from .algorithms.entropy import entropy_bonus
 from .algorithms.importance import sampler_importance_ratio
 from .checkpoints import CheckpointingMixin, load_rollout_buffer
 from .config import GRPOConfig
-from .data import GroupRepeatSampler, is_conversational, prompt_text, tokenize_prompts
+from .data import GroupRepeatSampler, check_prompt_count, is_conversational, prompt_text, tokenize_prompts
 from .logprobs import completion_logps
 from .rollout.base import SamplingParams
 from .rollout.transformers_backend import TransformersRollout
@@ -134,13 +134,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         _check_dataset("train_dataset", train_dataset)
         if eval_dataset is not None and not isinstance(eval_dataset, dict):
             _check_dataset("eval_dataset", eval_dataset)
-        need = args.generation_batch_size // args.num_generations
-        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) < need:
-            raise ValueError(  # checked here, before a model is loaded, rather than when training starts
-                f"train_dataset has {len(train_dataset)} prompts, fewer than the {need} prompts of one generation "
-                f"batch (generation_batch_size {args.generation_batch_size} / num_generations "
-                f"{args.num_generations}); add prompts or lower per_device_train_batch_size"
-            )
+        if train_dataset is not None and hasattr(train_dataset, "__len__"):  # before a model is loaded
+            check_prompt_count(len(train_dataset), args.generation_batch_size // args.num_generations,
+                               f"generation_batch_size {args.generation_batch_size} / num_generations "
+                               f"{args.num_generations}")
 
         if isinstance(model, str):
             from .models import load_model

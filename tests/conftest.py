@@ -42,6 +42,16 @@ class FixedRollout:
         self.synced += 1
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random model and its tokenizer saved to a directory, as a user's local model would be."""
+    d = tmp_path_factory.mktemp("tiny_model")
+    tok = tiny_tokenizer()
+    tiny_model(tok).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
 @pytest.fixture
 def tokenizer():
     return tiny_tokenizer()

@@ -4,18 +4,8 @@ import json
 
 import pytest
 import yaml
-from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_model")
-    tok = tiny_tokenizer()
-    tiny_model(tok).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
 
 
 def write_yaml(path, spec):

@@ -153,7 +153,6 @@ def test_lean_head_falls_back_for_unknown_heads():
     assert lean_head(model) is model.lm_head
     assert lean_head(torch.nn.Linear(2, 2)) is None
     batch = _batch(tok)
-    ref = completion_logps(model, *batch, lean=False)[0]
     model.lm_head = torch.nn.Sequential(torch.nn.Linear(32, len(tok)))
     assert lean_head(model) is None
     lp, ent = completion_logps(model, *batch)  # the plain path still works

@@ -34,6 +34,7 @@ class FakeLLM:
             driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=self.engine_model))))
         self.resets = 0
         self.calls = []
+        self.outputs = []
 
     def generate(self, prompts, sampling_params, use_tqdm):
         self.calls.append((prompts, sampling_params))
@@ -48,6 +49,7 @@ class FakeLLM:
             logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)]
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(
                 token_ids=ids, logprobs=logprobs, finish_reason="stop" if finished else "length")]))
+        self.outputs.append(outs)
         return outs
 
     def reset_prefix_cache(self):
@@ -98,7 +100,11 @@ def test_colocate_generate_returns_padded_rows_and_sampler_logps(tmp_path):
     assert prompts == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8, 9, 10]}]  # padding stripped
     assert out.completion_ids.shape == out.sampler_logps.shape == out.completion_mask.shape
     assert ((out.sampler_logps != 0) == out.completion_mask.bool()).all()
-    assert out.is_truncated.tolist() == [False, True] or out.is_truncated[1]
+    expected = [o.outputs[0].finish_reason == "length" for o in llm.outputs[0]]
+    assert out.is_truncated.tolist() == expected
+    assert out.is_truncated[1]  # odd rows never end on EOS in the fake
+    lengths = [len(o.outputs[0].token_ids) for o in llm.outputs[0]]
+    assert out.completion_mask.sum(1).tolist() == lengths
 
 
 def test_server_mode_uses_the_client(tmp_path):

@@ -450,7 +450,7 @@ def test_off_policy_sequence_mask_by_hand():
 
 def test_high_entropy_mask_by_hand():
     ent = [[0.1, 0.5, 0.9], [0.3, 0.7, 2.0]]
-    mask = [[1, 1, 1], [1, 1, 0]]
+    assert MASK == [[1, 1, 1], [1, 1, 0]]  # the shared mask: row 1's last token is padding
     # valid entropies sorted [0.1, 0.3, 0.5, 0.7, 0.9]; the (1 - 0.4) quantile: pos 0.6·4 = 2.4 -> 0.5 + 0.4·0.2 = 0.58
     # kept: 0.9 (row 0 token 2) and 0.7 (row 1 token 1); 2.0 is padding and never kept
     out = policy_loss(t64(LP), t64(OLD), t64(ADV), t64(MASK), loss_type="bnpo", entropies=t64(ent),

@@ -117,17 +117,6 @@ def test_no_handlers_outside_train_and_ignored_signals_stay_ignored(tmp_path):
 
 
 # -- the command line, in a child process ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tiny import tiny_model, tiny_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_model")
-    tok = tiny_tokenizer()
-    tiny_model(tok).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
 def wait_for(predicate, timeout: float, proc=None):
     end = time.monotonic() + timeout
     while time.monotonic() < end:

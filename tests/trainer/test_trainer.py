@@ -1,7 +1,6 @@
 """GRPOTrainer end to end on tiny random models (no download)."""
 
 import asyncio
-import copy
 import math
 
 import pytest

@@ -1,7 +1,6 @@
 """A script written for TRL runs after changing only the import (TRL's own quick-start shape)."""
 
 import pytest
-from tiny import tiny_model, tiny_tokenizer
 
 TRL_SCRIPT = '''
 from datasets import Dataset
@@ -34,13 +33,9 @@ trainer.train()
 '''
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("trl_script_model")
-    tok = tiny_tokenizer()
-    tiny_model(tok).save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
+@pytest.fixture
+def model_dir(tiny_dir):
+    return str(tiny_dir)
 
 
 def run(source: str, model_dir: str, out: str) -> dict:
