@@ -95,7 +95,9 @@ class GRPOConfig(transformers.TrainingArguments):
     )
     max_completion_length: int | None = field(default=512, metadata=_meta("Maximum new tokens per completion."))
     ds3_gather_for_generation: bool = field(
-        default=True, metadata=_meta("Gather ZeRO-3 weights for generation (faster, more memory).")
+        default=True, metadata=_meta(
+            "Gather sharded weights once per rollout for generation (faster, one full copy per rank); FSDP2 here. "
+            "False: generate on shards in lockstep. See grpokit/sharding.py.")
     )
     shuffle_dataset: bool | None = field(default=True, metadata=_meta("Shuffle the training prompts."))
     pad_to_multiple_of: int | str | None = field(default="auto", metadata=_meta("Pad sequences to a multiple."))
@@ -377,6 +379,12 @@ class GRPOConfig(transformers.TrainingArguments):
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not allowed with "
                 "loss_type='vespo': a sequence-level ratio would be raised to the power of the length inside VESPO's "
                 "weight; use 'token_truncate' or 'token_mask'"
+            )
+        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size != 1:
+            raise ValueError(
+                f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size!r} with vllm_mode='colocate' is not "
+                "supported by grpokit yet: use 1 (every training process runs its own engine) or vllm_mode='server' "
+                "(trl vllm-serve --tensor-parallel-size N)"
             )
         if getattr(self, "auto_find_batch_size", False):
             raise ValueError(

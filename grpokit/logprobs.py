@@ -228,7 +228,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module | None:
 def lean_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head of a decoder-only causal LM (DDP- or PEFT-wrapped or not) whose logits are exactly
     ``lm_head(hidden)``: a plain ``nn.Linear`` (tied or not, with or without bias) and no soft-capping or scaling
-    after it. None when that cannot be established: the plain path is used."""
+    after it. None when that cannot be established: the plain path is used. None under FSDP / ZeRO-3 too: there
+    the head's weight is only whole inside its own forward (see ``grpokit.sharding``)."""
+    from .sharding import sharding_kind
+
+    if sharding_kind(model) is not None:
+        return None
     base = _unwrap(model)
     if base is None or not hasattr(base, "get_output_embeddings"):
         return None
@@ -281,8 +286,11 @@ def _head_inputs(
 def _shares_prompts(model: torch.nn.Module) -> bool:
     """Whether a prompt can be encoded once for its group: two forwards before one backward are fine (no DDP
     wrapper), no activation checkpointing (it turns the cache off), no active dropout (the rows of a group would
-    share one dropout draw on the prompt), and a ``cache`` argument."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    share one dropout draw on the prompt), and a ``cache`` argument. Never under FSDP / ZeRO-3, where each rank's
+    number of forwards must match (``grpokit.sharding``)."""
+    from .sharding import sharding_kind
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or sharding_kind(model) is not None:
         return False
     base = _unwrap(model)
     if base is None or getattr(base, "is_activation_checkpointing", False):

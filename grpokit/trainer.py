@@ -11,6 +11,7 @@ its ``steps_per_generation × num_iterations`` micro-steps the trainer generates
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -34,6 +35,7 @@ from .logprobs import completion_logps
 from .rollout.base import SamplingParams
 from .rollout.transformers_backend import TransformersRollout
 from .scoring import resolve_reward_funcs, reward_func_name, score_completions
+from .sharding import full_weights, weights_for_generation
 
 logger = logging.getLogger("grpokit")
 
@@ -288,11 +290,20 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             self._metrics[mode]["prompts/truncated_frac"].append(n_cut / len(rows))
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
 
+        wrapped = self.model_wrapped if self.model_wrapped is not None else self.model
         unwrapped = self.accelerator.unwrap_model(self.model)
+        params = self._sampling_params(mode)
+        holds = getattr(self.rollout, "holds_weights", False)  # an engine with its own copy of the weights (vLLM)
         if self._synced_step != self.state.global_step:  # the weights changed since the sampler last saw them
-            self.rollout.sync_weights(unwrapped)
+            with full_weights(wrapped) if holds else contextlib.nullcontext():
+                self.rollout.sync_weights(unwrapped)
             self._synced_step = self.state.global_step
-        rollout = self.rollout.generate(unwrapped, prompt_ids, prompt_mask, self._sampling_params(mode))
+        if holds:
+            rollout = self.rollout.generate(unwrapped, prompt_ids, prompt_mask, params)
+        else:
+            with weights_for_generation(wrapped, unwrapped, gather=a.ds3_gather_for_generation) as weights:
+                params.lockstep = weights.lockstep
+                rollout = self.rollout.generate(weights.model, prompt_ids, prompt_mask, params)
         completion_ids = rollout.completion_ids.to(device)
         completion_mask = rollout.completion_mask.to(device)
         truncated = rollout.is_truncated.to(device)

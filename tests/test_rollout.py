@@ -65,3 +65,24 @@ def test_shared_prefill_with_max_batch_size_and_static_cache_fallback():
     static = SamplingParams(max_new_tokens=6, do_sample=False, extra={"cache_implementation": "static"})
     out = TransformersRollout(tok).generate(model, ids, mask, static)  # not shared: generate owns its cache
     assert torch.equal(base.completion_ids, out.completion_ids)
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_lockstep_generates_with_synced_gpus_and_no_shared_prefill(lockstep):
+    """Under sharded weights that were not gathered every rank must run the same forwards: generate gets
+    synced_gpus=True and no per-rank prefill shortcut (grpokit/sharding.py)."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, seed=1)
+    seen = []
+    original = model.generate
+
+    def spy(**kwargs):
+        seen.append(kwargs)
+        return original(**{k: v for k, v in kwargs.items() if k != "synced_gpus"})  # needs a process group
+
+    model.generate = spy
+    ids = torch.tensor([[5, 6, 7]] * 4)
+    TransformersRollout(tok).generate(model, ids, torch.ones_like(ids),
+                                      SamplingParams(max_new_tokens=3, lockstep=lockstep))
+    assert seen[0]["synced_gpus"] is lockstep
+    assert ("cache" in seen[0]) is (not lockstep)  # the 4 rows are one group: shared prefill unless lockstep

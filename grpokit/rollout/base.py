@@ -24,6 +24,9 @@ class SamplingParams:
     do_sample: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     """Backend-specific keyword arguments (TRL's ``generation_kwargs``); they override the fields above."""
+    lockstep: bool = False
+    """Every rank must run the same forwards (training shards the weights and they were not gathered, see
+    ``grpokit.sharding``): the transformers backend generates with ``synced_gpus=True`` and no shared prefill."""
 
 
 @dataclass
@@ -39,6 +42,11 @@ class RolloutBatch:
 
 
 class RolloutBackend(Protocol):
+    holds_weights: bool
+    """True for an engine with its own copy of the weights (vLLM): the trainer gathers sharded weights whole for
+    :meth:`sync_weights` and does not hand it a model for generation. False (or absent): ``generate`` runs the
+    trainer's model."""
+
     def generate(
         self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> RolloutBatch: ...

@@ -77,6 +77,7 @@ def _can_share(model: torch.nn.Module, config: GenerationConfig, prompt_len: int
 
 
 class TransformersRollout:
+    holds_weights = False
     """The default backend. ``generate`` runs in eval mode under ``no_grad`` and restores the training mode.
 
     ``share_prompt_prefill``: when the rows come as groups of ``G`` identical prompts, each prompt is encoded
@@ -118,14 +119,15 @@ class TransformersRollout:
         config = self.generation_config(model, params)
         was_training = model.training
         model.eval()
-        merged = _merge_lora(model)
+        merged = _merge_lora(model) if not params.lockstep else False  # a shard cannot take the merge
         try:
             step = self.max_batch_size or prompt_ids.shape[0]
-            share = self.share_prompt_prefill and _can_share(model, config, prompt_ids.shape[1])
+            share = (self.share_prompt_prefill and not params.lockstep
+                     and _can_share(model, config, prompt_ids.shape[1]))
             chunks = []
             for start in range(0, prompt_ids.shape[0], step):
                 ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
-                kwargs = {}
+                kwargs = {"synced_gpus": params.lockstep}  # explicit: transformers' own test misses accelerate's FSDP2
                 g = group_size(ids, mask) if share else 1
                 if g > 1:
                     kwargs["cache"] = _shared_prefix_cache(model, ids, mask, g)

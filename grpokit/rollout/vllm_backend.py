@@ -18,6 +18,22 @@ import torch
 from .base import RolloutBatch, SamplingParams
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_gather_objects(obj) -> list:
+    out = [None] * _world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Our sampling settings in vLLM's terms (top_k 0 → -1 = off, min_p None → 0), with the sampled token's
     log-prob requested (``logprobs=0``)."""
@@ -78,6 +94,8 @@ def engine_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Ten
 class VLLMRollout:
     """The vLLM backend (see the module docstring). ``llm`` / ``client`` may be given (tests pass fakes)."""
 
+    holds_weights = True
+
     def __init__(self, model_name_or_path: str, tokenizer, args, *, process_index: int = 0, llm=None, client=None,
                  sampling_params_cls=None):
         self.mode = args.vllm_mode
@@ -88,7 +106,10 @@ class VLLMRollout:
             self.llm = llm if llm is not None else self._make_llm(model_name_or_path, args, process_index)
             self.client = None
         else:
-            self.client = client if client is not None else self._make_client(args)
+            # One client for the whole run, on the main process: it gathers every rank's prompts (TRL's server
+            # takes one communicator); the other ranks get their completions from it.
+            self.is_main = process_index == 0
+            self.client = (client if client is not None else self._make_client(args)) if self.is_main else None
             self.llm = None
 
     @staticmethod
@@ -142,15 +163,33 @@ class VLLMRollout:
                 logps.append([step[t].logprob for step, t in zip(o.logprobs, ids)])
                 truncated.append(o.finish_reason == "length")
         else:
-            kwargs.pop("n")
-            named = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs")
-            call = {k: kwargs.pop(k) for k in named}
-            out = self.client.generate(prompts, n=1, generation_kwargs=kwargs or None, **call)
-            completions = out["completion_ids"]
-            logps = [[tok[0] for tok in row] for row in out["logprobs"]]
+            completions, logps = self._server_generate(prompts, kwargs)
             truncated = [len(c) >= params.max_new_tokens and (not c or c[-1] not in self.eos_ids)
                          for c in completions]
         return pad_rollouts(completions, logps, truncated, self.tokenizer.pad_token_id)
+
+    def _server_generate(self, prompts: list[list[int]], kwargs: dict) -> tuple[list, list]:
+        """The main process sends every rank's prompts in one request and hands each rank its slice back."""
+        world = _world_size()
+        everyone = _all_gather_objects(prompts) if world > 1 else [prompts]
+        result = [None]
+        if self.client is not None:
+            kwargs = dict(kwargs)
+            kwargs.pop("n")
+            named = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs")
+            call = {k: kwargs.pop(k) for k in named}
+            flat = [p for rank_prompts in everyone for p in rank_prompts]
+            out = self.client.generate(flat, n=1, generation_kwargs=kwargs or None, **call)
+            completions = list(out["completion_ids"])
+            logps = [[tok[0] for tok in row] for row in out["logprobs"]]
+            if len(completions) != len(flat):
+                raise RuntimeError(f"the vLLM server returned {len(completions)} completions for {len(flat)} prompts")
+            result = [(completions, logps)]
+        if world > 1:
+            torch.distributed.broadcast_object_list(result, src=0)
+        completions, logps = result[0]
+        start = sum(len(p) for p in everyone[:_rank()])
+        return completions[start:start + len(prompts)], logps[start:start + len(prompts)]
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -159,7 +198,7 @@ class VLLMRollout:
             with engine_weights(model) as weights:
                 engine_model.load_weights(weights)
             self.llm.reset_prefix_cache()
-        else:
+        elif self.client is not None:  # server mode: the main process pushes (the weights are whole on every rank)
             with engine_weights(model) as weights:
                 for name, tensor in weights:
                     self.client.update_named_param(name, tensor)

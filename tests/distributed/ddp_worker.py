@@ -1,10 +1,18 @@
 """Worker for the multi-process tests: trains a tiny model for two optimizer steps with a rollout backend whose
 completions depend only on (generation call, global row), so any split over ranks sees the same data.
 
-Run under ``torchrun --nproc_per_node N`` or in-process (one rank). Writes, per loss type, the final parameters
-and the advantages of every generation batch to ``OUT/<loss>-rank<r>.pt``.
+Run under ``torchrun --nproc_per_node N`` or in-process (one rank). Writes, per loss type, the final parameters,
+the advantages and completions of every generation batch to ``OUT/<loss>-rank<r>.pt``.
 
-    python ddp_worker.py OUT PER_DEVICE GA LOSS[,LOSS...] [--fail-rank R]
+    python ddp_worker.py OUT PER_DEVICE GA LOSS[,LOSS...] [--fail-rank R] [--num-generations G]
+                         [--shard fsdp2|zero3] [--real-rollout] [--no-gather] [--fake-vllm-server]
+
+``--shard``: train with sharded weights. accelerate enables FSDP only on accelerators, so on CPU the worker
+sets accelerate's state to FSDP itself (after which accelerate's own FSDP2 wrapping runs, on gloo); ZeRO-3
+goes through transformers' ``deepspeed`` argument (DeepSpeed runs on CPU with gloo). ``--real-rollout``:
+sample with transformers ``generate`` (seeded), stopping at any of 60 token ids so that rows, and ranks, end
+at different lengths. ``--no-gather``: ``ds3_gather_for_generation=False`` (generation in lockstep on shards).
+``--fake-vllm-server``: ``use_vllm=True, vllm_mode="server"`` with :class:`FakeServer` in place of TRL's client.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 from grpokit.config import GRPOConfig  # noqa: E402
 from grpokit.rollout.base import RolloutBatch, completion_mask_from_eos  # noqa: E402
+from grpokit.sharding import full_weights, sharding_kind  # noqa: E402
 from grpokit.trainer import GRPOTrainer  # noqa: E402
 
 COMPLETION_LEN = 8
+STOP_IDS = list(range(100, 160))  # ~23% of the tiny vocabulary: rows end after a few tokens, or run to the limit
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -59,6 +69,32 @@ class GlobalRowRollout:
         pass
 
 
+class FakeServer:
+    """TRL's VLLMClient surface. A completion is a function of its prompt and of how many times that prompt came
+    before it in the request, so a request holding the whole generation batch gives the same rows however the
+    batch is split over ranks (and a group's rows differ)."""
+
+    def __init__(self):
+        self.requests, self.pushed, self.resets = [], {}, 0
+
+    def generate(self, prompts, n, generation_kwargs=None, **sampling):
+        self.requests.append([list(p) for p in prompts])
+        seen: dict[tuple, int] = {}
+        completions = []
+        for p in prompts:
+            k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
+            length = 1 + (sum(p) + 3 * k) % COMPLETION_LEN
+            completions.append([10 + (sum(p) * 7 + 11 * k + j) % 200 for j in range(length)])
+        return {"completion_ids": completions, "logprobs": [[[-1.0 - 0.1 * j] for j in range(len(c))]
+                                                            for c in completions]}
+
+    def update_named_param(self, name, tensor):
+        self.pushed[name] = tensor.detach().clone()
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
 def reward(completions, **kw):
     return [len(set(c[0]["content"])) / 8.0 for c in completions]
 
@@ -72,10 +108,47 @@ def failing_reward(fail_rank):
     return boom
 
 
+class CpuFSDPTrainer(GRPOTrainer):
+    """accelerate turns FSDP on only for accelerator devices; on CPU, set its state to FSDP ourselves."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if self.args.fsdp_plugin_args is not None:
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+            state = self.accelerator.state
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            self.is_fsdp_enabled = True
+
+
+def shard_args(shard: str | None) -> dict:
+    if shard == "fsdp2":
+        return dict(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
+                                                    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    if shard == "zero3":
+        return dict(deepspeed={
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # shard even tiny tensors
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+        })
+    return {}
+
+
 def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank: int | None = None,
-        num_generations: int = 4) -> None:
+        num_generations: int = 4, shard: str | None = None, real_rollout: bool = False, gather: bool = True,
+        fake_server: bool = False) -> None:
     tok = tiny_tokenizer()
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i} + {i}"}] for i in range(32)]})
+    servers = []
+    if fake_server:
+        from grpokit.rollout.vllm_backend import VLLMRollout
+
+        def make_client(args):
+            servers.append(FakeServer())
+            return servers[-1]
+
+        VLLMRollout._make_client = staticmethod(make_client)
     for loss_type in loss_types:
         model = tiny_model(tok, seed=7)
         args = GRPOConfig(
@@ -84,24 +157,35 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             max_steps=2, loss_type=loss_type, optim="sgd", learning_rate=0.5, max_grad_norm=0.0,
             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, shuffle_dataset=False,
             gradient_checkpointing=False, disable_tqdm=True, seed=0, ddp_timeout=60,
+            ds3_gather_for_generation=gather, temperature=1.0,
+            generation_kwargs={"eos_token_id": STOP_IDS} if real_rollout else None, **shard_args(shard),
+            **(dict(use_vllm=True, vllm_mode="server") if fake_server else {}),
         )
         rewards = [reward if fail_rank is None else failing_reward(fail_rank)]
-        trainer = GRPOTrainer(model, rewards, args=args, train_dataset=ds, processing_class=tok,
-                              rollout_backend=GlobalRowRollout(tok))
-        advantages = []
+        trainer = CpuFSDPTrainer(model, rewards, args=args, train_dataset=ds, processing_class=tok,
+                                 rollout_backend=None if real_rollout or fake_server else GlobalRowRollout(tok))
+        advantages, completions = [], []
         original = trainer._generate_and_score
 
         def recording(rows, mode):
+            torch.manual_seed(1234 + 100 * rank_and_world()[0] + len(completions))  # the same stream in every run
             batch = original(rows, mode)
             advantages.append(batch["advantages"].detach().clone())
+            completions.append((batch["completion_ids"] * batch["completion_mask"]).detach().clone())
             return batch
 
         trainer._generate_and_score = recording
         trainer.train()
         rank, _ = rank_and_world()
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        with full_weights(trainer.model_wrapped):  # whole parameters under FSDP / ZeRO-3
+            params = {k: v.detach().cpu().clone() for k, v in unwrapped.named_parameters()}
         torch.save({
-            "params": {k: v.detach().cpu().clone() for k, v in unwrapped.state_dict().items()},
+            "params": params,
+            "sharding": sharding_kind(trainer.model_wrapped),
+            "server": None if not servers or getattr(trainer.rollout, "client", None) is None else {
+                "requests": servers[-1].requests, "pushed": servers[-1].pushed, "resets": servers[-1].resets},
+            "completions": completions,
             "advantages": advantages,
             "logs": trainer.state.log_history,
         }, os.path.join(out_dir, f"{loss_type}-rank{rank}.pt"))
@@ -119,4 +203,12 @@ if __name__ == "__main__":
         i = argv.index("--num-generations")
         num_generations = int(argv[i + 1])
         argv = argv[:i] + argv[i + 2:]
-    run(argv[0], int(argv[1]), int(argv[2]), argv[3].split(","), fail, num_generations)
+    shard = None
+    if "--shard" in argv:
+        i = argv.index("--shard")
+        shard = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    flags = {f for f in argv if f in ("--real-rollout", "--no-gather", "--fake-vllm-server")}
+    argv = [a for a in argv if a not in flags]
+    run(argv[0], int(argv[1]), int(argv[2]), argv[3].split(","), fail, num_generations, shard,
+        "--real-rollout" in flags, "--no-gather" not in flags, "--fake-vllm-server" in flags)

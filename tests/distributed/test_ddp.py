@@ -4,68 +4,30 @@ Tolerance: parameters agree to 1e-5 absolute / 1e-4 relative after two SGD steps
 same terms in a different order and all-reduce them, which moves float32 results by ~1e-7 relative.
 """
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "ddp_worker.py"
-LOSSES = ["dapo", "grpo", "vespo"]
-TIMEOUT = 240
+from launch import LOSSES, load, single, torchrun
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 
 
-def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), str(out), *args]
-    # own process group, so a timeout kills the workers too, not only the launcher
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"torchrun did not finish in {timeout} s:\n{err[-3000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def single(out: Path, per_device: int, ga: int, losses: list[str], num_generations: int = 4) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(WORKER), str(out), str(per_device), str(ga), ",".join(losses),
-           "--num-generations", str(num_generations)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode == 0, r.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, one_rank):
     """Two ranks × 4 rows vs one rank × 4 rows × GA 2 (same 8-row generation batches), for three losses; and two
     ranks × 2 rows with G = 4 (every group split across the ranks) vs one rank × 2 rows × GA 2."""
     root = tmp_path_factory.mktemp("ddp")
     (root / "two").mkdir()
-    (root / "one").mkdir()
     (root / "split2").mkdir()
     (root / "split1").mkdir()
     r = torchrun(root / "two", "4", "1", ",".join(LOSSES))
     assert r.returncode == 0, r.stderr[-4000:]
-    single(root / "one", 4, 2, LOSSES)
+    (root / "one").symlink_to(one_rank)
     r = torchrun(root / "split2", "2", "1", "dapo")
     assert r.returncode == 0, r.stderr[-4000:]
     single(root / "split1", 2, 2, ["dapo"])
     return root
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, weights_only=False)
 
 
 @pytest.mark.parametrize("loss_type", LOSSES)
@@ -80,7 +42,7 @@ def test_two_ranks_equal_one_rank_with_accumulation(runs, loss_type):
     from tiny import tiny_model, tiny_tokenizer
 
     initial = tiny_model(tiny_tokenizer(), seed=7).state_dict()
-    moved = max((one["params"][n] - initial[n]).abs().max().item() for n in initial)
+    moved = max((one["params"][n] - initial[n]).abs().max().item() for n in one["params"])
     assert moved > 1e-3  # training happened
     # Advantages of each generation batch: rank 0 holds the first half, rank 1 the second.
     for a_one, a0, a1 in zip(one["advantages"], r0["advantages"], r1["advantages"]):

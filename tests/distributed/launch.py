@@ -1,0 +1,51 @@
+"""Launching ddp_worker.py: under torchrun (real processes, gloo) or as one plain process, bounded in time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "ddp_worker.py"
+TIMEOUT = 240
+LOSSES = ["dapo", "grpo", "vespo"]  # the losses every multi-process comparison covers
+
+
+def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), str(out), *args]
+    # own process group, so a timeout kills the workers too, not only the launcher
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout} s:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun_ok(out: Path, *args: str, **kw) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    r = torchrun(out, *args, **kw)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def single(out: Path, per_device: int, ga: int, losses: list[str], num_generations: int = 4, *flags: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(WORKER), str(out), str(per_device), str(ga), ",".join(losses),
+           "--num-generations", str(num_generations), *flags]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)

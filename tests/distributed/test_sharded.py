@@ -1,0 +1,91 @@
+"""Training with sharded weights: FSDP2 (accelerate's own wrapping, forced on for CPU, gloo) and DeepSpeed ZeRO-3
+(DeepSpeed's CPU accelerator, gloo), two real processes each.
+
+- training: two ranks × 4 rows equal one rank × 4 rows × GA 2 on the same rollouts (tolerance as in test_ddp);
+- generation: transformers ``generate`` on sharded weights, with ``ds3_gather_for_generation`` True (weights
+  gathered once) and False (lockstep on shards), gives exactly the completions of plain DDP, with the two ranks
+  stopping at different lengths (without lockstep that mismatches the collectives and the run dies);
+- the chunked log-prob head and the shared-prompt shortcuts are off under sharding (see grpokit/sharding.py).
+"""
+
+import importlib.util
+import shutil
+
+import pytest
+import torch
+from launch import LOSSES, load, torchrun_ok
+
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed not installed (pip install 'grpokit[test]')")
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """Real generation (seeded, 60 stop ids) under DDP, FSDP2 gathered, FSDP2 in lockstep."""
+    root = tmp_path_factory.mktemp("sharded-real")
+    torchrun_ok(root / "ddp", "4", "1", "dapo", "--real-rollout")
+    torchrun_ok(root / "fsdp2", "4", "1", "dapo", "--real-rollout", "--shard", "fsdp2")
+    torchrun_ok(root / "fsdp2-lockstep", "4", "1", "dapo", "--real-rollout", "--shard", "fsdp2", "--no-gather")
+    return root
+
+
+def both_ranks(path, loss="dapo"):
+    return [load(path / f"{loss}-rank{r}.pt") for r in (0, 1)]
+
+
+def assert_same_run(ref, other, atol=0.0):
+    for a, b in zip(ref, other):
+        assert len(a["completions"]) == len(b["completions"]) == 2
+        for ca, cb in zip(a["completions"], b["completions"]):
+            assert torch.equal(ca, cb)
+        for name, p in a["params"].items():
+            torch.testing.assert_close(b["params"][name], p, atol=atol, rtol=0)
+
+
+def test_the_ranks_stop_generating_at_different_lengths(real):
+    r0, r1 = both_ranks(real / "ddp")
+    widths = [(a.shape[1], b.shape[1]) for a, b in zip(r0["completions"], r1["completions"])]
+    assert any(w0 != w1 for w0, w1 in widths), widths  # else lockstep would not be exercised
+
+
+@pytest.mark.parametrize("run", ["fsdp2", "fsdp2-lockstep"])
+def test_fsdp2_generates_and_trains_like_ddp(real, run):
+    ref, fsdp = both_ranks(real / "ddp"), both_ranks(real / run)
+    assert ref[0]["sharding"] is None and fsdp[0]["sharding"] == "fsdp2"
+    assert_same_run(ref, fsdp, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_fake(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp2-fake")
+    torchrun_ok(root, "4", "1", ",".join(LOSSES), "--shard", "fsdp2")
+    return root
+
+
+@pytest.mark.parametrize("loss_type", LOSSES)
+def test_fsdp2_two_ranks_equal_one_rank_with_accumulation(fsdp2_fake, one_rank, loss_type):
+    one = load(one_rank / f"{loss_type}-rank0.pt")
+    for rank in both_ranks(fsdp2_fake, loss_type):
+        assert rank["sharding"] == "fsdp2"
+        for name, p in one["params"].items():
+            torch.testing.assert_close(rank["params"][name], p, atol=1e-5, rtol=1e-4)
+
+
+@needs_deepspeed
+def test_zero3_generates_and_trains_like_ddp(real, tmp_path):
+    torchrun_ok(tmp_path, "4", "1", "dapo", "--real-rollout", "--shard", "zero3")
+    zero3 = both_ranks(tmp_path)
+    assert zero3[0]["sharding"] == "zero3"
+    assert_same_run(both_ranks(real / "ddp"), zero3, atol=1e-6)
+
+
+@needs_deepspeed
+def test_zero3_two_ranks_equal_one_rank_with_accumulation(one_rank, tmp_path):
+    torchrun_ok(tmp_path, "4", "1", ",".join(LOSSES), "--shard", "zero3")
+    for loss_type in LOSSES:
+        one = load(one_rank / f"{loss_type}-rank0.pt")
+        for rank in both_ranks(tmp_path, loss_type):
+            assert rank["sharding"] == "zero3"
+            for name, p in one["params"].items():
+                torch.testing.assert_close(rank["params"][name], p, atol=1e-5, rtol=1e-4)
