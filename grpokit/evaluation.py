@@ -14,6 +14,7 @@ from .reporting import mean_ci95, wilson_interval
 from .rollout.base import SamplingParams
 from .rollout.transformers_backend import TransformersRollout
 from .scoring import reward_func_name, score_completions
+from .sharding import weights_for_generation
 
 
 @torch.no_grad()
@@ -31,6 +32,7 @@ def evaluate(
     max_prompt_length: int | None = None,
     n: int | None = None,
     num_samples: int = 8,
+    gather: bool = True,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Score ``model`` on ``dataset`` (one completion per prompt, greedy by default).
 
@@ -38,6 +40,9 @@ def evaluate(
     whose ``accuracy_reward`` function gave ≥ 1), ``accuracy_ci95`` (Wilson), ``n``, per-function means under
     ``rewards``, ``format_rate`` when a function named ``format`` exists, ``mean_length`` and ``seconds``;
     ``samples`` the first ``num_samples`` rows (prompt, completion, reward, answer).
+
+    Under multi-process training every rank evaluates every row; with sharded weights (FSDP, ZeRO-3) all ranks
+    must call this together and ``gather`` decides how generation sees the weights (grpokit/sharding.py).
     """
     start = time.perf_counter()
     rows = [dataset[i] for i in range(len(dataset) if n is None else min(n, len(dataset)))]
@@ -54,7 +59,9 @@ def evaluate(
         conv = [is_conversational(p) for p in prompts]
         texts = [prompt_text(p, tokenizer) for p in prompts]
         ids, mask, _ = tokenize_prompts(texts, tokenizer, max_prompt_length, tokenizer.pad_token_id, conv)
-        out = rollout.generate(model, ids.to(device), mask.to(device), params)
+        with weights_for_generation(model, model, gather) as weights:
+            params.lockstep = weights.lockstep
+            out = rollout.generate(weights.model, ids.to(device), mask.to(device), params)
         id_lists = [r[m.bool()].tolist() for r, m in zip(out.completion_ids, out.completion_mask)]
         decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(decoded, conv)]

@@ -3,6 +3,7 @@ any model is loaded, evaluate before, train, evaluate after, write the report.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -280,10 +281,14 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
     from .evaluation import evaluate
     from .models import load_model, load_tokenizer
     from .reporting import MetricsJsonlCallback, ProgressCallback, write_report
+    from .scoring import reward_func_name
+    from .sharding import full_weights, sharding_kind
     from .trainer import GRPOTrainer
 
     wall_start = time.perf_counter()
     job, config, task, reward_funcs, lora, ev = prepare(spec)
+    main = config.process_index == 0  # under accelerate/torchrun every rank runs the job; one prints and writes
+    say = _say if main else _silent
     try:
         resume_path = resolve_resume(resume, config.output_dir)
     except CheckpointError as e:
@@ -306,7 +311,12 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
         raise JobError(f"model {job['model']!r} could not be loaded: {e}") from None
     eval_kwargs = dict(accuracy_reward=task.accuracy_reward, max_new_tokens=int(ev["max_new_tokens"]),
                        greedy=bool(ev["greedy"]), temperature=config.temperature, n=int(ev["n"]),
-                       max_prompt_length=config.max_prompt_length)
+                       max_prompt_length=config.max_prompt_length, gather=config.ds3_gather_for_generation)
+
+    # Accuracy is the task's own measure, scored even when the job trains on other rewards.
+    eval_funcs = list(reward_funcs)
+    if task.accuracy_reward not in [reward_func_name(f) for f in reward_funcs]:
+        eval_funcs += [f for f in task.reward_funcs if f.__name__ == task.accuracy_reward]
     eval_before = samples_before = eval_after = samples_after = None
     cached_before = out / "eval_before.json"
     if ev["before"] and task.eval_dataset is not None and resume_path and cached_before.is_file():
@@ -314,9 +324,12 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
         say(quiet, _eval_line("before (measured by the first run)", eval_before))
     elif ev["before"] and task.eval_dataset is not None:
         say(quiet, f"evaluating the model before training on {min(ev['n'], len(task.eval_dataset))} held-out prompts")
-        eval_before, samples_before = evaluate(model, tokenizer, task.eval_dataset, reward_funcs, **eval_kwargs)
+        # With DeepSpeed's zero3_init_flag the model was loaded partitioned and is not in DeepSpeed's engine yet
+        # (no hooks gather its layers): gather it whole for this evaluation.
+        with full_weights(model) if sharding_kind(model) == "zero3" else contextlib.nullcontext():
+            eval_before, samples_before = evaluate(model, tokenizer, task.eval_dataset, eval_funcs, **eval_kwargs)
         say(quiet, _eval_line("before", eval_before))
-        if _jsonable([eval_before, samples_before]):
+        if main and _jsonable([eval_before, samples_before]):
             cached_before.write_text(json.dumps([eval_before, samples_before]))
 
     peft_config = lora_config(lora) if lora is not None else None
@@ -344,16 +357,20 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
 
     if ev["after"] and task.eval_dataset is not None:
         say(quiet, "evaluating the trained model")
-        eval_after, samples_after = evaluate(trainer.model, tokenizer, task.eval_dataset, reward_funcs, **eval_kwargs)
+        eval_after, samples_after = evaluate(trainer.model, tokenizer, task.eval_dataset, eval_funcs,
+                                               **eval_kwargs)
         say(quiet, _eval_line("after", eval_after))
 
+    if not main:
+        return {"eval_before": eval_before, "eval_after": eval_after, "steps": trainer.state.global_step}
     cfg_dict = {k: v for k, v in config.to_dict().items() if _jsonable(v)}
     cfg_dict.update(model=job["model"], task=job.get("task") or job.get("dataset"), lora=lora,
                     steps=trainer.state.global_step)
     write_report(str(out), config=cfg_dict, eval_before=eval_before, eval_after=eval_after,
                  samples_before=samples_before, samples_after=samples_after,
                  wall_time_s=time.perf_counter() - wall_start, train_time_s=train_time,
-                 extra={"task": task.name, "description": task.description})
+                 extra={"task": task.name, "description": task.description,
+                        "distributed": _distributed_summary(trainer)})
     report = json.loads((out / "report.json").read_text())
     say(quiet, f"report: {out / 'report.md'}")
     return report
@@ -378,6 +395,24 @@ def _eval_line(label: str, e: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def say(quiet: bool, message: str) -> None:
+def _distributed_summary(trainer) -> dict[str, Any]:
+    """How the run was spread: processes, accelerate's distributed type, the sharding and ZeRO stage."""
+    from .sharding import sharding_kind
+
+    acc = trainer.accelerator
+    ds = getattr(acc.state, "deepspeed_plugin", None)
+    wrapped = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model
+    return {"num_processes": acc.num_processes, "type": str(acc.distributed_type).split(".")[-1],
+            "sharding": sharding_kind(wrapped), "zero_stage": getattr(ds, "zero_stage", None)}
+
+
+def _silent(quiet: bool, message: str) -> None:
+    return None
+
+
+def _say(quiet: bool, message: str) -> None:
     """Job milestones are printed even with --quiet (which only drops the live progress bar)."""
     print(message, flush=True)
+
+
+say = _say

@@ -8,7 +8,8 @@ the advantages and completions of every generation batch to ``OUT/<loss>-rank<r>
                          [--shard fsdp2|zero3] [--real-rollout] [--no-gather] [--fake-vllm-server]
 
 ``--shard``: train with sharded weights. accelerate enables FSDP only on accelerators, so on CPU the worker
-sets accelerate's state to FSDP itself (after which accelerate's own FSDP2 wrapping runs, on gloo); ZeRO-3
+sets accelerate's state to FSDP itself (after which accelerate's own FSDP2 wrapping runs, on gloo), with the
+plugin read from the launcher's environment when there is one (tests pass examples/accelerate/fsdp2.yaml's); ZeRO-3
 goes through transformers' ``deepspeed`` argument (DeepSpeed runs on CPU with gloo). ``--real-rollout``:
 sample with transformers ``generate`` (seeded), stopping at any of 60 token ids so that rows, and ranks, end
 at different lengths. ``--no-gather``: ``ds3_gather_for_generation=False`` (generation in lockstep on shards).
@@ -33,6 +34,8 @@ from grpokit.sharding import full_weights, sharding_kind  # noqa: E402
 from grpokit.trainer import GRPOTrainer  # noqa: E402
 
 COMPLETION_LEN = 8
+# FSDP configured by the launcher's environment (read at start: transformers sets ACCELERATE_USE_FSDP itself later)
+FSDP_FROM_LAUNCHER = os.environ.get("ACCELERATE_USE_FSDP") == "true" and "FSDP_VERSION" in os.environ
 STOP_IDS = list(range(100, 160))  # ~23% of the tiny vocabulary: rows end after a few tokens, or run to the limit
 
 
@@ -113,16 +116,20 @@ class CpuFSDPTrainer(GRPOTrainer):
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        if self.args.fsdp_plugin_args is not None:
+        from_launcher = FSDP_FROM_LAUNCHER
+        if self.args.fsdp_plugin_args is not None or from_launcher:
             from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
             state = self.accelerator.state
             state.distributed_type = DistributedType.FSDP
-            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            kwargs = {} if from_launcher else self.args.fsdp_plugin_args  # the plugin reads the launcher's env
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**kwargs)
             self.is_fsdp_enabled = True
 
 
 def shard_args(shard: str | None) -> dict:
+    if shard == "fsdp2" and FSDP_FROM_LAUNCHER:
+        return {}  # configured by the launcher's environment (examples/accelerate/fsdp2.yaml)
     if shard == "fsdp2":
         return dict(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
                                                     "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
@@ -183,6 +190,9 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
         torch.save({
             "params": params,
             "sharding": sharding_kind(trainer.model_wrapped),
+            "fsdp_plugin": None if not trainer.is_fsdp_enabled else {
+                k: str(getattr(trainer.accelerator.state.fsdp_plugin, k))
+                for k in ("fsdp_version", "reshard_after_forward", "state_dict_type", "auto_wrap_policy")},
             "server": None if not servers or getattr(trainer.rollout, "client", None) is None else {
                 "requests": servers[-1].requests, "pushed": servers[-1].pushed, "resets": servers[-1].resets},
             "completions": completions,

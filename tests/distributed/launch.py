@@ -16,8 +16,26 @@ TIMEOUT = 240
 LOSSES = ["dapo", "grpo", "vespo"]  # the losses every multi-process comparison covers
 
 
-def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+EXAMPLES = HERE.parents[1] / "examples" / "accelerate"
+
+
+def accelerate_env(config: str) -> dict[str, str]:
+    """The environment ``accelerate launch --config_file examples/accelerate/<config>.yaml`` gives its processes
+    (what accelerate's plugins read), with mixed precision off for the CPU."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(EXAMPLES / f"{config}.yaml"), "unused.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    keep = {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+    keep["ACCELERATE_MIXED_PRECISION"] = "no"
+    return keep
+
+
+def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT, env: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(WORKER), str(out), *args]
     # own process group, so a timeout kills the workers too, not only the launcher

@@ -10,10 +10,11 @@
 
 import importlib.util
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from launch import LOSSES, load, torchrun_ok
+from launch import LOSSES, TIMEOUT, accelerate_env, load, torchrun_ok
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -22,11 +23,14 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    """Real generation (seeded, 60 stop ids) under DDP, FSDP2 gathered, FSDP2 in lockstep."""
+    """Real generation (seeded, 60 stop ids) under DDP, FSDP2 gathered, FSDP2 in lockstep; FSDP2 configured by
+    the shipped examples/accelerate/fsdp2.yaml."""
     root = tmp_path_factory.mktemp("sharded-real")
     torchrun_ok(root / "ddp", "4", "1", "dapo", "--real-rollout")
-    torchrun_ok(root / "fsdp2", "4", "1", "dapo", "--real-rollout", "--shard", "fsdp2")
-    torchrun_ok(root / "fsdp2-lockstep", "4", "1", "dapo", "--real-rollout", "--shard", "fsdp2", "--no-gather")
+    example = accelerate_env("fsdp2")  # examples/accelerate/fsdp2.yaml, as accelerate launch applies it
+    torchrun_ok(root / "fsdp2", "4", "1", "dapo", "--real-rollout", "--shard", "fsdp2", env=example)
+    torchrun_ok(root / "fsdp2-lockstep", "4", "1", "dapo", "--real-rollout", "--shard", "fsdp2", "--no-gather",
+                env=example)
     return root
 
 
@@ -53,6 +57,9 @@ def test_the_ranks_stop_generating_at_different_lengths(real):
 def test_fsdp2_generates_and_trains_like_ddp(real, run):
     ref, fsdp = both_ranks(real / "ddp"), both_ranks(real / run)
     assert ref[0]["sharding"] is None and fsdp[0]["sharding"] == "fsdp2"
+    plugin = fsdp[0]["fsdp_plugin"]  # from examples/accelerate/fsdp2.yaml
+    assert plugin["fsdp_version"] == "2" and plugin["reshard_after_forward"] == "True"
+    assert "FULL_STATE_DICT" in plugin["state_dict_type"]
     assert_same_run(ref, fsdp, atol=1e-6)
 
 
@@ -89,3 +96,57 @@ def test_zero3_two_ranks_equal_one_rank_with_accumulation(one_rank, tmp_path):
             assert rank["sharding"] == "zero3"
             for name, p in one["params"].items():
                 torch.testing.assert_close(rank["params"][name], p, atol=1e-5, rtol=1e-4)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_accelerate_launch_with_the_deepspeed_examples_runs_the_cli_job(tmp_path, tiny_dir, config):
+    """examples/accelerate/zero2.yaml and zero3.yaml as shipped (only the process count and mixed precision changed on the command
+    line for a 2-core CPU): `grpokit train` evaluates, trains 2 steps, saves a whole model and one report."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    job = tmp_path / "job.yaml"
+    out = tmp_path / "out"
+    job.write_text(f"""loss_type: dapo
+model: {tiny_dir}
+task: arithmetic
+reward_funcs: ["distinct_chars:reward"]
+output_dir: {out}
+per_device_train_batch_size: 4
+num_generations: 4
+max_completion_length: 8
+generation_kwargs: {{eos_token_id: {list(range(100, 160))}}}
+learning_rate: 0.05
+optim: sgd
+max_steps: 2
+logging_steps: 1
+save_strategy: "no"
+report_to: none
+use_cpu: true
+eval: {{n: 4, max_new_tokens: 8}}
+""")
+    (tmp_path / "distinct_chars.py").write_text(
+        "def reward(completions, **kw):\n    return [len(c[0]['content']) / 8.0 for c in completions]\n")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(root / "examples" / "accelerate" / f"{config}.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+           "-m", "grpokit.cli", "train", str(job), "--quiet"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("report: ") == 1  # one rank prints and writes
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["steps"] == 2
+    trained = load_file(out / "final" / "model.safetensors")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    assert all(trained[k].shape == initial[k].shape for k in trained)  # whole tensors, not ZeRO-3 partitions
+    assert report["extra"]["distributed"] == {"num_processes": 2, "type": "DEEPSPEED", "zero_stage": int(config[-1]),
+                                              "sharding": "zero3" if config == "zero3" else None}
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # and trained
