@@ -430,6 +430,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             epsilon=a.epsilon, epsilon_high=a.epsilon_high, delta=a.delta,
             beta=a.beta, ref_logps=inputs["ref_logps"], use_bias_correction_kl=a.use_bias_correction_kl,
             sampler_ratio=inputs["sampler_ratio"], entropies=entropies, top_entropy_quantile=a.top_entropy_quantile,
+            entropy_gather=self._gather_entropies if self.accelerator.num_processes > 1 else None,
             off_policy_mask_threshold=a.off_policy_mask_threshold, sampler_logps=inputs["sampler_logps"],
             vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos,
             vespo_k_neg=a.vespo_k_neg, vespo_lambda_neg=a.vespo_lambda_neg,
@@ -456,6 +457,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         for key, value in out.metrics.items():
             self._metrics[mode][key].append(value)
         return loss
+
+    def _gather_entropies(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's valid-token entropies (ranks hold different counts: padded with NaN, gathered, dropped)."""
+        padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+        everyone = self.accelerator.gather(padded)
+        return everyone[~torch.isnan(everyone)]
 
     def _get_grad_norm(self, model, grad_norm=None):
         # kept for the non-finite gradient check of _TrainerHooks.on_pre_optimizer_step, which runs right after

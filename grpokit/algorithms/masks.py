@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -25,17 +27,23 @@ def off_policy_sequence_mask(
 
 
 @torch.no_grad()
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float,
+                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Keep only the top ``top_quantile`` fraction of tokens by entropy ("forking tokens", arXiv 2506.01939).
 
     A token is kept if it is valid and its entropy is ≥ the ``(1 - top_quantile)`` quantile of all valid-token
     entropies of the batch. Returns (B, T) of 0/1; all zeros when no token is valid.
+
+    ``gather``: under data parallelism, a function from this rank's valid entropies (1-D) to those of every rank
+    (a collective: every rank calls it, even with none), so the threshold is the whole batch's, as on one process.
     """
     valid = mask.bool()
     # Threshold and comparison both in float32: a float64 entropy equal to the quantile (or to it up to the rounding
     # of 1 - top_quantile) is kept, and bf16 entropies are not compared against a bf16-rounded threshold.
     ent = entropies.detach().float()
     values = ent[valid]
+    if gather is not None:
+        values = gather(values).float()
     if values.numel() == 0:
         return torch.zeros_like(mask)
     threshold = torch.quantile(values, 1.0 - top_quantile)

@@ -83,6 +83,7 @@ def policy_loss(
     sampler_ratio: torch.Tensor | None = None,
     entropies: torch.Tensor | None = None,
     top_entropy_quantile: float = 1.0,
+    entropy_gather=None,
     off_policy_mask_threshold: float | None = None,
     sampler_logps: torch.Tensor | None = None,
     vespo_k_pos: float = 2.0,
@@ -108,6 +109,8 @@ def policy_loss(
         sampler_ratio: the rollout-engine mismatch ratio ``ρ`` (§5), (B, T) or (B, 1); multiplies ``ℓ``
             (VESPO folds a token-level ``ρ`` into its sequence weight instead and rejects a (B, 1) one).
         num_items_in_batch: loss tokens of the whole generation batch on all ranks (dapo/cispo/vespo).
+        entropy_gather: under data parallelism, gathers every rank's valid-token entropies for the
+            ``top_entropy_quantile`` threshold (see :func:`.masks.high_entropy_mask`); None: this micro-batch only.
         engine: ``"closed_form"`` computes the value and the gradient w.r.t. ``logps`` together, without an
             autograd graph (few passes over (B, T), one multiply in backward); ``"autograd"`` differentiates the
             definitions in :mod:`.losses`; ``"auto"`` (default) takes the closed form where the loss has one.
@@ -169,7 +172,8 @@ def policy_loss(
                 logps, old_logps, advantages, mask, loss_type, importance_sampling_level, loss_kw, agg,
                 beta=beta, ref_logps=ref_logps, use_bias_correction_kl=use_bias_correction_kl,
                 sampler_ratio=sampler_ratio, entropies=entropies, top_entropy_quantile=top_entropy_quantile,
-                off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps,
+                entropy_gather=entropy_gather, off_policy_mask_threshold=off_policy_mask_threshold,
+                sampler_logps=sampler_logps,
             )
         if linear:  # value = Σ grad·lp with grad detached: autograd's own dot gives the value and the gradient
             value = torch.dot(logps.reshape(-1), grad.reshape(-1))
@@ -194,7 +198,7 @@ def policy_loss(
             advantages, logps, reference, mask, off_policy_mask_threshold
         )
     if top_entropy_quantile < 1.0:
-        per_token = per_token * high_entropy_mask(entropies, mask, top_entropy_quantile)
+        per_token = per_token * high_entropy_mask(entropies, mask, top_entropy_quantile, entropy_gather)
     if sampler_ratio is not None and loss_type != "vespo":
         per_token = per_token * sampler_ratio.detach().to(per_token.dtype)
     if beta != 0.0:
@@ -224,7 +228,7 @@ class _WithGradient(torch.autograd.Function):
 
 def _closed_form_loss(
     logps, old_logps, advantages, mask, loss_type, level, loss_kw, agg, *, beta, ref_logps, use_bias_correction_kl,
-    sampler_ratio, entropies, top_entropy_quantile, off_policy_mask_threshold, sampler_logps,
+    sampler_ratio, entropies, top_entropy_quantile, entropy_gather, off_policy_mask_threshold, sampler_logps,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor], bool]:
     """The same steps as the autograd path, each with its derivative: ``loss = Σ E·ℓ + β·Σ W·KL`` with ``W`` the
     aggregation weights and ``E = W·`` (the detached masks and sampler ratio); ``∂loss/∂lp`` by the chain rule
@@ -249,7 +253,7 @@ def _closed_form_loss(
         reference = sampler_logps if sampler_logps is not None else (old_logps if old_logps is not None else lp)
         keep = off_policy_sequence_mask(advantages, lp, reference, mask, off_policy_mask_threshold)
     if top_entropy_quantile < 1.0:
-        hem = high_entropy_mask(entropies, mask, top_entropy_quantile)
+        hem = high_entropy_mask(entropies, mask, top_entropy_quantile, entropy_gather)
         keep = hem if keep is None else keep * hem
     if sampler_ratio is not None and loss_type != "vespo":
         rho = sampler_ratio.detach().to(lp.dtype)

@@ -117,6 +117,28 @@ def test_high_entropy_mask_top_fraction():
         assert high_entropy_mask(e, torch.ones_like(e), q).sum().item() == kept, q
 
 
+def test_high_entropy_mask_threshold_over_every_rank():
+    """With ``gather`` (data parallelism) the quantile is over every rank's valid entropies."""
+    e = t([[0.1, 0.5], [0.9, 0.3]])
+    m = torch.ones_like(e)
+    # this rank alone: the 0.5-quantile of [0.1, 0.3, 0.5, 0.9] is 0.3 + 0.5·0.2 = 0.4 -> keep 0.5 and 0.9
+    assert high_entropy_mask(e, m, 0.5).tolist() == [[0, 1], [1, 0]]
+    other_rank = torch.tensor([2.0, 3.0, 4.0, 5.0])
+    calls = []
+
+    def gather(values):
+        calls.append(values.clone())
+        return torch.cat([values, other_rank])
+
+    # all 8: pos 0.5·7 = 3.5 -> 0.9 + 0.5·(2.0 - 0.9) = 1.45: nothing on this rank reaches it
+    assert high_entropy_mask(e, m, 0.5, gather).tolist() == [[0, 0], [0, 0]]
+    # top 0.75: pos 0.25·7 = 1.75 -> 0.3 + 0.75·0.2 = 0.45 -> keep 0.5 and 0.9 here
+    assert high_entropy_mask(e, m, 0.75, gather).tolist() == [[0, 1], [1, 0]]
+    # a rank with no valid token still takes part in the gather (it is a collective) and keeps nothing
+    assert high_entropy_mask(e, torch.zeros_like(e), 0.5, gather).sum() == 0
+    assert [c.numel() for c in calls] == [4, 4, 0]
+
+
 def test_aggregate_loss_by_hand():
     ell = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     m = t([[1, 1, 0], [1, 1, 1]])

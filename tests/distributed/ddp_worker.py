@@ -6,6 +6,7 @@ the advantages and completions of every generation batch to ``OUT/<loss>-rank<r>
 
     python ddp_worker.py OUT PER_DEVICE GA LOSS[,LOSS...] [--fail-rank R] [--num-generations G]
                          [--shard fsdp2|zero3] [--real-rollout] [--no-gather] [--fake-vllm-server]
+                         [--top-entropy Q]
 
 ``--shard``: train with sharded weights. accelerate enables FSDP only on accelerators, so on CPU the worker
 sets accelerate's state to FSDP itself (after which accelerate's own FSDP2 wrapping runs, on gloo), with the
@@ -144,7 +145,7 @@ def shard_args(shard: str | None) -> dict:
 
 def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank: int | None = None,
         num_generations: int = 4, shard: str | None = None, real_rollout: bool = False, gather: bool = True,
-        fake_server: bool = False) -> None:
+        fake_server: bool = False, top_entropy: float = 1.0) -> None:
     tok = tiny_tokenizer()
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i} + {i}"}] for i in range(32)]})
     servers = []
@@ -164,7 +165,7 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             max_steps=2, loss_type=loss_type, optim="sgd", learning_rate=0.5, max_grad_norm=0.0,
             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, shuffle_dataset=False,
             gradient_checkpointing=False, disable_tqdm=True, seed=0, ddp_timeout=60,
-            ds3_gather_for_generation=gather, temperature=1.0,
+            ds3_gather_for_generation=gather, temperature=1.0, top_entropy_quantile=top_entropy,
             generation_kwargs={"eos_token_id": STOP_IDS} if real_rollout else None, **shard_args(shard),
             **(dict(use_vllm=True, vllm_mode="server") if fake_server else {}),
         )
@@ -213,6 +214,11 @@ if __name__ == "__main__":
         i = argv.index("--num-generations")
         num_generations = int(argv[i + 1])
         argv = argv[:i] + argv[i + 2:]
+    top_entropy = 1.0
+    if "--top-entropy" in argv:
+        i = argv.index("--top-entropy")
+        top_entropy = float(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
     shard = None
     if "--shard" in argv:
         i = argv.index("--shard")
@@ -221,4 +227,4 @@ if __name__ == "__main__":
     flags = {f for f in argv if f in ("--real-rollout", "--no-gather", "--fake-vllm-server")}
     argv = [a for a in argv if a not in flags]
     run(argv[0], int(argv[1]), int(argv[2]), argv[3].split(","), fail, num_generations, shard,
-        "--real-rollout" in flags, "--no-gather" not in flags, "--fake-vllm-server" in flags)
+        "--real-rollout" in flags, "--no-gather" not in flags, "--fake-vllm-server" in flags, top_entropy)

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from launch import LOSSES, load, single, torchrun
+from launch import LOSSES, load, single, torchrun, torchrun_ok
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 
@@ -77,3 +77,16 @@ def test_a_failing_rank_ends_the_run_with_its_error(tmp_path):
     r = torchrun(tmp_path, "4", "1", "dapo", "--fail-rank", "1", timeout=180)
     assert r.returncode != 0
     assert "deliberate failure on rank 1" in (r.stdout + r.stderr)
+
+
+def test_entropy_mask_threshold_is_the_whole_batch_quantile(tmp_path):
+    """top_entropy_quantile under DDP: the threshold is the quantile of every rank's entropies (as TRL gathers
+    them), so two ranks × 4 rows train exactly like one rank × 8 rows in one micro-batch; with each rank's own
+    quantile they would not."""
+    torchrun_ok(tmp_path / "two", "4", "1", "dapo", "--top-entropy", "0.3")
+    single(tmp_path / "one", 8, 1, ["dapo"], 4, "--top-entropy", "0.3")
+    one = load(tmp_path / "one" / "dapo-rank0.pt")
+    for rank in (0, 1):
+        two = load(tmp_path / "two" / f"dapo-rank{rank}.pt")
+        for name, p in one["params"].items():
+            torch.testing.assert_close(two["params"][name], p, atol=1e-5, rtol=1e-4)
