@@ -16,11 +16,14 @@ from grpokit.trainer import GRPOTrainer
 
 
 class FakeEngineModel:
-    def __init__(self):
+    def __init__(self, events=None):
         self.loaded = []
+        self.events = events
 
     def load_weights(self, weights):
         self.loaded.append({k: v.clone() for k, v in weights})
+        if self.events is not None:
+            self.events.append("load")
 
 
 class FakeLLM:
@@ -29,7 +32,8 @@ class FakeLLM:
     def __init__(self, tokenizer, seed=0):
         self.tok = tokenizer
         self.gen = torch.Generator().manual_seed(seed)
-        self.engine_model = FakeEngineModel()
+        self.events = []
+        self.engine_model = FakeEngineModel(self.events)
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
             driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=self.engine_model))))
         self.resets = 0
@@ -38,6 +42,7 @@ class FakeLLM:
 
     def generate(self, prompts, sampling_params, use_tqdm):
         self.calls.append((prompts, sampling_params))
+        self.events.append("generate")
         outs = []
         for i, _ in enumerate(prompts):
             n = int(torch.randint(1, sampling_params["max_tokens"] + 1, (1,), generator=self.gen))
@@ -54,6 +59,13 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.resets += 1
+        self.events.append("reset")
+
+    def sleep(self, level):
+        self.events.append(f"sleep{level}")
+
+    def wake_up(self):
+        self.events.append("wake")
 
 
 class FakeClient:
@@ -155,6 +167,24 @@ def test_trainer_with_colocated_engine_corrects_and_syncs(tmp_path, loss_type, m
     assert any(not torch.equal(loaded[n], initial[n]) for n in initial)
     for name, p in after_step_1.items():
         torch.testing.assert_close(loaded[name], p)  # the engine got the weights of the first update
+
+
+@pytest.mark.parametrize("sleep", [False, True])
+def test_sleep_mode_frees_the_engine_between_generations(tmp_path, sleep):
+    """vllm_enable_sleep_mode: the colocated engine sleeps (level 1: weights to CPU, KV cache freed) after each
+    generation and wakes before the next weight push or generation."""
+    tok = tiny_tokenizer()
+    llm = FakeLLM(tok)
+    args = args_for(tmp_path, vllm_enable_sleep_mode=sleep)
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(8)]})
+    backend = VLLMRollout("unused", tok, args, llm=llm, sampling_params_cls=dict)
+    trainer = GRPOTrainer(tiny_model(tok), lambda completions, **k: [float(len(c[0]["content"])) for c in completions],
+                          args=args, train_dataset=ds, processing_class=tok, rollout_backend=backend)
+    trainer.train()
+    if sleep:
+        assert llm.events == ["generate", "sleep1", "wake", "load", "reset", "generate", "sleep1"]
+    else:
+        assert llm.events == ["generate", "load", "reset", "generate"]
 
 
 def test_lora_weights_are_merged_for_the_engine():

@@ -102,6 +102,8 @@ class VLLMRollout:
         self._sampling_params_cls = sampling_params_cls
         self.tokenizer = tokenizer
         self.eos_ids = {tokenizer.eos_token_id}
+        self.sleep = self.mode == "colocate" and bool(args.vllm_enable_sleep_mode)
+        self.asleep = False
         if self.mode == "colocate":
             self.llm = llm if llm is not None else self._make_llm(model_name_or_path, args, process_index)
             self.client = None
@@ -153,8 +155,12 @@ class VLLMRollout:
                 from vllm import SamplingParams as VSamplingParams
 
                 self._sampling_params_cls = VSamplingParams
+            self._wake()
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                         sampling_params=self._sampling_params_cls(**kwargs), use_tqdm=False)
+            if self.sleep:  # vllm_enable_sleep_mode: weights to CPU, KV cache freed, while the trainer runs
+                self.llm.sleep(level=1)
+                self.asleep = True
             completions, logps, truncated = [], [], []
             for out in outputs:
                 o = out.outputs[0]
@@ -167,6 +173,11 @@ class VLLMRollout:
             truncated = [len(c) >= params.max_new_tokens and (not c or c[-1] not in self.eos_ids)
                          for c in completions]
         return pad_rollouts(completions, logps, truncated, self.tokenizer.pad_token_id)
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def _server_generate(self, prompts: list[list[int]], kwargs: dict) -> tuple[list, list]:
         """The main process sends every rank's prompts in one request and hands each rank its slice back."""
@@ -194,6 +205,7 @@ class VLLMRollout:
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
         if self.mode == "colocate":
+            self._wake()
             engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
             with engine_weights(model) as weights:
                 engine_model.load_weights(weights)
