@@ -70,13 +70,18 @@ def fsdp2_fake(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("loss_type", LOSSES)
-def test_fsdp2_two_ranks_equal_one_rank_with_accumulation(fsdp2_fake, one_rank, loss_type):
+def assert_equals_one_rank(one_rank, run, loss_type, sharding):
+    """Both ranks' parameters equal one process with accumulation (tolerance as in test_ddp)."""
     one = load(one_rank / f"{loss_type}-rank0.pt")
-    for rank in both_ranks(fsdp2_fake, loss_type):
-        assert rank["sharding"] == "fsdp2"
+    for rank in both_ranks(run, loss_type):
+        assert rank["sharding"] == sharding
         for name, p in one["params"].items():
             torch.testing.assert_close(rank["params"][name], p, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", LOSSES)
+def test_fsdp2_two_ranks_equal_one_rank_with_accumulation(fsdp2_fake, one_rank, loss_type):
+    assert_equals_one_rank(one_rank, fsdp2_fake, loss_type, "fsdp2")
 
 
 @needs_deepspeed
@@ -91,18 +96,15 @@ def test_zero3_generates_and_trains_like_ddp(real, tmp_path):
 def test_zero3_two_ranks_equal_one_rank_with_accumulation(one_rank, tmp_path):
     torchrun_ok(tmp_path, "4", "1", ",".join(LOSSES), "--shard", "zero3")
     for loss_type in LOSSES:
-        one = load(one_rank / f"{loss_type}-rank0.pt")
-        for rank in both_ranks(tmp_path, loss_type):
-            assert rank["sharding"] == "zero3"
-            for name, p in one["params"].items():
-                torch.testing.assert_close(rank["params"][name], p, atol=1e-5, rtol=1e-4)
+        assert_equals_one_rank(one_rank, tmp_path, loss_type, "zero3")
 
 
 @needs_deepspeed
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_accelerate_launch_with_the_deepspeed_examples_runs_the_cli_job(tmp_path, tiny_dir, config):
-    """examples/accelerate/zero2.yaml and zero3.yaml as shipped (only the process count and mixed precision changed on the command
-    line for a 2-core CPU): `grpokit train` evaluates, trains 2 steps, saves a whole model and one report."""
+    """examples/accelerate/zero2.yaml and zero3.yaml as shipped (only the process count and mixed precision
+    changed on the command line for a 2-core CPU): `grpokit train` evaluates, trains 2 steps, saves a whole model
+    and one report."""
     import json
     import os
     import subprocess
