@@ -60,3 +60,16 @@ def tokenizer():
 @pytest.fixture
 def model(tokenizer):
     return tiny_model(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def one_rank(tmp_path_factory):
+    """The reference for the multi-process runs of tests/distributed: one process, 4 rows × gradient accumulation 2
+    (the same 8-row generation batches as two ranks × 4 rows), for dapo, grpo and vespo. Here rather than in a
+    tests/distributed/conftest.py, whose module name would shadow this file's for ``from conftest import``."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
+    from launch import LOSSES, single
+
+    out = tmp_path_factory.mktemp("one-rank")
+    single(out, 4, 2, LOSSES)
+    return out
