@@ -55,6 +55,18 @@ SCHEDULES = [
 _FULL_RUNS: dict[str, tuple] = {}
 
 
+@pytest.fixture(autouse=True)
+def usual_signal_handlers():
+    """Python's own SIGINT/SIGTERM handlers for each test, whatever started pytest left (a background job of a
+    non-interactive shell inherits SIGINT ignored, which grpokit then rightly leaves alone)."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("name,settings,stop,total", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path, sig, name, settings, stop, total):
