@@ -6,7 +6,7 @@ the advantages and completions of every generation batch to ``OUT/<loss>-rank<r>
 
     python ddp_worker.py OUT PER_DEVICE GA LOSS[,LOSS...] [--fail-rank R] [--num-generations G]
                          [--shard fsdp2|zero3] [--real-rollout] [--no-gather] [--fake-vllm-server]
-                         [--top-entropy Q]
+                         [--top-entropy Q] [--lora]
 
 ``--shard``: train with sharded weights. accelerate enables FSDP only on accelerators, so on CPU the worker
 sets accelerate's state to FSDP itself (after which accelerate's own FSDP2 wrapping runs, on gloo), with the
@@ -15,6 +15,7 @@ goes through transformers' ``deepspeed`` argument (DeepSpeed runs on CPU with gl
 sample with transformers ``generate`` (seeded), stopping at any of 60 token ids so that rows, and ranks, end
 at different lengths. ``--no-gather``: ``ds3_gather_for_generation=False`` (generation in lockstep on shards).
 ``--fake-vllm-server``: ``use_vllm=True, vllm_mode="server"`` with :class:`FakeServer` in place of TRL's client.
+``--lora``: a PEFT LoRA adapter (r 4 on q/v, initialised non-zero so merging it for generation changes tokens).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def shard_args(shard: str | None) -> dict:
 
 def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank: int | None = None,
         num_generations: int = 4, shard: str | None = None, real_rollout: bool = False, gather: bool = True,
-        fake_server: bool = False, top_entropy: float = 1.0) -> None:
+        fake_server: bool = False, top_entropy: float = 1.0, lora: bool = False) -> None:
     tok = tiny_tokenizer()
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i} + {i}"}] for i in range(32)]})
     servers = []
@@ -170,8 +171,14 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             **(dict(use_vllm=True, vllm_mode="server") if fake_server else {}),
         )
         rewards = [reward if fail_rank is None else failing_reward(fail_rank)]
+        peft_config = None
+        if lora:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
         trainer = CpuFSDPTrainer(model, rewards, args=args, train_dataset=ds, processing_class=tok,
-                                 rollout_backend=None if real_rollout or fake_server else GlobalRowRollout(tok))
+                                 rollout_backend=None if real_rollout or fake_server else GlobalRowRollout(tok),
+                                 peft_config=peft_config)
         advantages, completions = [], []
         original = trainer._generate_and_score
 
@@ -224,7 +231,8 @@ if __name__ == "__main__":
         i = argv.index("--shard")
         shard = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
-    flags = {f for f in argv if f in ("--real-rollout", "--no-gather", "--fake-vllm-server")}
+    flags = {f for f in argv if f in ("--real-rollout", "--no-gather", "--fake-vllm-server", "--lora")}
     argv = [a for a in argv if a not in flags]
     run(argv[0], int(argv[1]), int(argv[2]), argv[3].split(","), fail, num_generations, shard,
-        "--real-rollout" in flags, "--no-gather" not in flags, "--fake-vllm-server" in flags, top_entropy)
+        "--real-rollout" in flags, "--no-gather" not in flags, "--fake-vllm-server" in flags, top_entropy,
+        "--lora" in flags)

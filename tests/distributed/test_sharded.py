@@ -63,6 +63,17 @@ def test_fsdp2_generates_and_trains_like_ddp(real, run):
     assert_same_run(ref, fsdp, atol=1e-6)
 
 
+def test_fsdp2_with_lora_generates_and_trains_like_ddp(tmp_path):
+    """LoRA under FSDP2: the adapter is merged into the gathered weights for generation (and unmerged before they
+    are resharded); completions and parameters match DDP with the same adapter."""
+    torchrun_ok(tmp_path / "ddp", "4", "1", "dapo", "--real-rollout", "--lora")
+    torchrun_ok(tmp_path / "fsdp2", "4", "1", "dapo", "--real-rollout", "--lora", "--shard", "fsdp2",
+                env=accelerate_env("fsdp2"))
+    ref, fsdp = both_ranks(tmp_path / "ddp"), both_ranks(tmp_path / "fsdp2")
+    assert fsdp[0]["sharding"] == "fsdp2" and any("lora_A" in n for n in fsdp[0]["params"])
+    assert_same_run(ref, fsdp, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def fsdp2_fake(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp2-fake")
