@@ -120,15 +120,28 @@ def verify_checkpoint(path: str | os.PathLike) -> int:
     weights = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
                "pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_model.bin")
     if not any((p / w).is_file() for w in weights) and not any(
-            (d / "adapter_model.safetensors").is_file() for d in p.iterdir() if d.is_dir()):
-        raise CheckpointError(f"checkpoint {str(p)!r} holds no model weights (model.safetensors or "
-                              "adapter_model.safetensors)")
+            (d / "adapter_model.safetensors").is_file() for d in p.iterdir() if d.is_dir()) and not _deepspeed_weights(p):
+        raise CheckpointError(f"checkpoint {str(p)!r} holds no model weights (model.safetensors, "
+                              "adapter_model.safetensors or DeepSpeed's global_step*/ model states)")
     index = p / "model.safetensors.index.json"
     if index.is_file():
         for shard in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())):
             if not (p / shard).is_file():
                 raise CheckpointError(f"{p / shard} is missing (listed in {index})")
     return step
+
+
+def _deepspeed_weights(p: Path) -> bool:
+    """A DeepSpeed engine checkpoint (ZeRO-3 without 16-bit gathering on save): ``latest`` names the tag
+    directory that holds every rank's model states."""
+    latest = p / "latest"
+    if not latest.is_file():
+        return False
+    tag = p / latest.read_text().strip()
+    if not tag.is_dir() or not any(tag.glob("*model_states.pt")):
+        raise CheckpointError(f"{latest} names {tag.name!r}, which holds no model states: the DeepSpeed checkpoint "
+                              "is incomplete")
+    return True
 
 
 def _damaged(f: Path, what: str) -> CheckpointError:

@@ -6,7 +6,7 @@ the advantages and completions of every generation batch to ``OUT/<loss>-rank<r>
 
     python ddp_worker.py OUT PER_DEVICE GA LOSS[,LOSS...] [--fail-rank R] [--num-generations G]
                          [--shard fsdp2|zero3] [--real-rollout] [--no-gather] [--fake-vllm-server]
-                         [--top-entropy Q] [--lora]
+                         [--top-entropy Q] [--lora] [--adamw] [--save-steps] [--resume CHECKPOINT]
 
 ``--shard``: train with sharded weights. accelerate enables FSDP only on accelerators, so on CPU the worker
 sets accelerate's state to FSDP itself (after which accelerate's own FSDP2 wrapping runs, on gloo), with the
@@ -16,6 +16,8 @@ sample with transformers ``generate`` (seeded), stopping at any of 60 token ids 
 at different lengths. ``--no-gather``: ``ds3_gather_for_generation=False`` (generation in lockstep on shards).
 ``--fake-vllm-server``: ``use_vllm=True, vllm_mode="server"`` with :class:`FakeServer` in place of TRL's client.
 ``--lora``: a PEFT LoRA adapter (r 4 on q/v, initialised non-zero so merging it for generation changes tokens).
+``--adamw``: AdamW (lr 0.01) instead of plain SGD, so the optimizer has state to checkpoint. ``--save-steps``: a
+checkpoint after every step. ``--resume CHECKPOINT``: resume from it.
 """
 
 from __future__ import annotations
@@ -122,8 +124,11 @@ class CpuFSDPTrainer(GRPOTrainer):
         if self.args.fsdp_plugin_args is not None or from_launcher:
             from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+            from accelerate.state import PartialState
+
             state = self.accelerator.state
             state.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # AcceleratorState() copies it
             kwargs = {} if from_launcher else self.args.fsdp_plugin_args  # the plugin reads the launcher's env
             state.fsdp_plugin = FullyShardedDataParallelPlugin(**kwargs)
             self.is_fsdp_enabled = True
@@ -146,7 +151,8 @@ def shard_args(shard: str | None) -> dict:
 
 def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank: int | None = None,
         num_generations: int = 4, shard: str | None = None, real_rollout: bool = False, gather: bool = True,
-        fake_server: bool = False, top_entropy: float = 1.0, lora: bool = False) -> None:
+        fake_server: bool = False, top_entropy: float = 1.0, lora: bool = False, adamw: bool = False,
+        save_steps: bool = False, resume: str | None = None) -> None:
     tok = tiny_tokenizer()
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i} + {i}"}] for i in range(32)]})
     servers = []
@@ -163,8 +169,10 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
         args = GRPOConfig(
             output_dir=os.path.join(out_dir, f"run-{loss_type}"), per_device_train_batch_size=per_device,
             gradient_accumulation_steps=ga, num_generations=num_generations, max_completion_length=COMPLETION_LEN,
-            max_steps=2, loss_type=loss_type, optim="sgd", learning_rate=0.5, max_grad_norm=0.0,
-            logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, shuffle_dataset=False,
+            max_steps=2, loss_type=loss_type, optim="adamw_torch" if adamw else "sgd",
+            learning_rate=0.01 if adamw else 0.5, max_grad_norm=0.0,
+            logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=1, report_to="none",
+            use_cpu=True, shuffle_dataset=False,
             gradient_checkpointing=False, disable_tqdm=True, seed=0, ddp_timeout=60,
             ds3_gather_for_generation=gather, temperature=1.0, top_entropy_quantile=top_entropy,
             generation_kwargs={"eos_token_id": STOP_IDS} if real_rollout else None, **shard_args(shard),
@@ -183,14 +191,15 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
         original = trainer._generate_and_score
 
         def recording(rows, mode):
-            torch.manual_seed(1234 + 100 * rank_and_world()[0] + len(completions))  # the same stream in every run
+            # the same stream in every run, a resumed one included: seeded by rank and step
+            torch.manual_seed(1234 + 100 * rank_and_world()[0] + trainer.state.global_step)
             batch = original(rows, mode)
             advantages.append(batch["advantages"].detach().clone())
             completions.append((batch["completion_ids"] * batch["completion_mask"]).detach().clone())
             return batch
 
         trainer._generate_and_score = recording
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
         rank, _ = rank_and_world()
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         with full_weights(trainer.model_wrapped):  # whole parameters under FSDP / ZeRO-3
@@ -231,8 +240,14 @@ if __name__ == "__main__":
         i = argv.index("--shard")
         shard = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
-    flags = {f for f in argv if f in ("--real-rollout", "--no-gather", "--fake-vllm-server", "--lora")}
+    resume = None
+    if "--resume" in argv:
+        i = argv.index("--resume")
+        resume = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    flags = {f for f in argv if f in ("--real-rollout", "--no-gather", "--fake-vllm-server", "--lora", "--adamw",
+                                      "--save-steps")}
     argv = [a for a in argv if a not in flags]
     run(argv[0], int(argv[1]), int(argv[2]), argv[3].split(","), fail, num_generations, shard,
         "--real-rollout" in flags, "--no-gather" not in flags, "--fake-vllm-server" in flags, top_entropy,
-        "--lora" in flags)
+        "--lora" in flags, "--adamw" in flags, "--save-steps" in flags, resume)

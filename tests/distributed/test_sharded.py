@@ -163,3 +163,23 @@ eval: {{n: 4, max_new_tokens: 8}}
     assert report["extra"]["distributed"] == {"num_processes": 2, "type": "DEEPSPEED", "zero_stage": int(config[-1]),
                                               "sharding": "zero3" if config == "zero3" else None}
     assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # and trained
+
+
+@pytest.mark.parametrize("shard", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
+def test_sharded_checkpoint_resumes_bit_for_bit(tmp_path, shard):
+    """A checkpoint written by two sharded ranks (FSDP2: accelerate's sharded optimizer state and full model state
+    dict; ZeRO-3: DeepSpeed's engine checkpoint) resumes to the same parameters as the uninterrupted run, with AdamW
+    so there is optimizer state to restore. Tolerance 0."""
+    env = accelerate_env("fsdp2") if shard == "fsdp2" else None
+    torchrun_ok(tmp_path / "full", "4", "1", "dapo", "--shard", shard, "--adamw", "--save-steps", "--real-rollout",
+                env=env)
+    checkpoint = tmp_path / "full" / "run-dapo" / "checkpoint-1"
+    assert checkpoint.is_dir() and not list((tmp_path / "full" / "run-dapo").glob("*.tmp-*"))
+    torchrun_ok(tmp_path / "resumed", "4", "1", "dapo", "--shard", shard, "--adamw", "--real-rollout",
+                "--resume", str(checkpoint), env=env)
+    for full, resumed in zip(both_ranks(tmp_path / "full"), both_ranks(tmp_path / "resumed")):
+        assert resumed["sharding"] == shard
+        assert len(full["completions"]) == 2 and len(resumed["completions"]) == 1  # it ran step 2 only
+        assert torch.equal(resumed["completions"][0], full["completions"][1])
+        for name, p in full["params"].items():
+            assert torch.equal(resumed["params"][name], p), name

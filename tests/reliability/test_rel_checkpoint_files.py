@@ -242,3 +242,23 @@ def test_resume_true_without_checkpoint_is_an_error_and_auto_starts_fresh(tmp_pa
     trainer = make_trainer(tmp_path / "fresh", max_steps=1)
     trainer.train(resume_from_checkpoint="auto")
     assert trainer.state.global_step == 1
+
+
+def test_a_deepspeed_engine_checkpoint_counts_as_weights(tmp_path):
+    """ZeRO-3 without 16-bit gathering on save keeps the weights in DeepSpeed's own files: ``latest`` names the tag
+    directory with every rank's model states (the full two-process resume: tests/distributed/test_sharded.py)."""
+    ckpt = tmp_path / "checkpoint-3"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text('{"global_step": 3}')
+    with pytest.raises(CheckpointError, match="holds no model weights"):
+        verify_checkpoint(ckpt)
+    (ckpt / "latest").write_text("global_step3")
+    with pytest.raises(CheckpointError, match="holds no model states"):
+        verify_checkpoint(ckpt)
+    (ckpt / "global_step3").mkdir()
+    torch.save({"module": {}}, ckpt / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert verify_checkpoint(ckpt) == 3
+    states = ckpt / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:40])  # truncated: named like any other damaged file
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        verify_checkpoint(ckpt)
