@@ -110,12 +110,12 @@ def test_zero3_two_ranks_equal_one_rank_with_accumulation(one_rank, tmp_path):
         assert_equals_one_rank(one_rank, tmp_path, loss_type, "zero3")
 
 
-@needs_deepspeed
-@pytest.mark.parametrize("config", ["zero2", "zero3"])
-def test_accelerate_launch_with_the_deepspeed_examples_runs_the_cli_job(tmp_path, tiny_dir, config):
-    """examples/accelerate/zero2.yaml and zero3.yaml as shipped (only the process count and mixed precision
-    changed on the command line for a 2-core CPU): `grpokit train` evaluates, trains 2 steps, saves a whole model
-    and one report."""
+@pytest.mark.parametrize("config", ["torchrun", pytest.param("zero2", marks=needs_deepspeed),
+                                    pytest.param("zero3", marks=needs_deepspeed)])
+def test_the_cli_job_under_a_launcher(tmp_path, tiny_dir, config):
+    """`torchrun -m grpokit.cli train` (DDP on gloo), and `accelerate launch` with examples/accelerate/zero2.yaml and
+    zero3.yaml as shipped (only the process count and mixed precision changed on the command line for a 2-core
+    CPU): the job evaluates, trains 2 steps, saves a whole model and writes one report."""
     import json
     import os
     import subprocess
@@ -147,9 +147,13 @@ eval: {{n: 4, max_new_tokens: 8}}
     (tmp_path / "distinct_chars.py").write_text(
         "def reward(completions, **kw):\n    return [len(c[0]['content']) / 8.0 for c in completions]\n")
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(root / "examples" / "accelerate" / f"{config}.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-           "-m", "grpokit.cli", "train", str(job), "--quiet"]
+    if config == "torchrun":
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    str(root / "examples" / "accelerate" / f"{config}.yaml"), "--num_processes", "2",
+                    "--mixed_precision", "no"]
+    cmd = [*launcher, "-m", "grpokit.cli", "train", str(job), "--quiet"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
@@ -160,8 +164,10 @@ eval: {{n: 4, max_new_tokens: 8}}
     trained = load_file(out / "final" / "model.safetensors")
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
     assert all(trained[k].shape == initial[k].shape for k in trained)  # whole tensors, not ZeRO-3 partitions
-    assert report["extra"]["distributed"] == {"num_processes": 2, "type": "DEEPSPEED", "zero_stage": int(config[-1]),
-                                              "sharding": "zero3" if config == "zero3" else None}
+    expected = {"num_processes": 2, "type": "MULTI_CPU", "zero_stage": None, "sharding": None}
+    if config != "torchrun":
+        expected.update(type="DEEPSPEED", zero_stage=int(config[-1]), sharding="zero3" if config == "zero3" else None)
+    assert report["extra"]["distributed"] == expected
     assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # and trained
 
 
