@@ -53,24 +53,24 @@ def evaluate(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
     names = [reward_func_name(f) for f in reward_funcs]
     all_rewards, lengths, texts_all, prompts_all = [], [], [], []
-    for s in range(0, len(rows), batch_size):
-        chunk = rows[s:s + batch_size]
-        prompts = [r["prompt"] for r in chunk]
-        conv = [is_conversational(p) for p in prompts]
-        texts = [prompt_text(p, tokenizer) for p in prompts]
-        ids, mask, _ = tokenize_prompts(texts, tokenizer, max_prompt_length, tokenizer.pad_token_id, conv)
-        with weights_for_generation(model, model, gather) as weights:
-            params.lockstep = weights.lockstep
+    with weights_for_generation(model, model, gather) as weights:  # gathered once for every batch
+        params.lockstep = weights.lockstep
+        for s in range(0, len(rows), batch_size):
+            chunk = rows[s:s + batch_size]
+            prompts = [r["prompt"] for r in chunk]
+            conv = [is_conversational(p) for p in prompts]
+            texts = [prompt_text(p, tokenizer) for p in prompts]
+            ids, mask, _ = tokenize_prompts(texts, tokenizer, max_prompt_length, tokenizer.pad_token_id, conv)
             out = rollout.generate(weights.model, ids.to(device), mask.to(device), params)
-        id_lists = [r[m.bool()].tolist() for r, m in zip(out.completion_ids, out.completion_mask)]
-        decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(decoded, conv)]
-        rewards = score_completions(reward_funcs, [None] * len(reward_funcs), prompts=prompts,
-                                    completions=completions, completion_ids=id_lists, rows=chunk)
-        all_rewards.append(rewards)
-        lengths.extend(len(x) for x in id_lists)
-        texts_all.extend(decoded)
-        prompts_all.extend(texts)
+            id_lists = [r[m.bool()].tolist() for r, m in zip(out.completion_ids, out.completion_mask)]
+            decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
+            completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(decoded, conv)]
+            rewards = score_completions(reward_funcs, [None] * len(reward_funcs), prompts=prompts,
+                                        completions=completions, completion_ids=id_lists, rows=chunk)
+            all_rewards.append(rewards)
+            lengths.extend(len(x) for x in id_lists)
+            texts_all.extend(decoded)
+            prompts_all.extend(texts)
     rewards = torch.cat(all_rewards)
     total = torch.nansum(rewards, dim=1)
     values = total.tolist()

@@ -50,9 +50,8 @@ def sharding_kind(model: torch.nn.Module) -> str | None:
                 return "fsdp2"
             if isinstance(m, FullyShardedDataParallel):
                 return "fsdp1"
-    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 partitioned parameters carry a ds_id
-        return "zero3"
-    return None
+    first = next(model.parameters(), None)  # ZeRO-3 partitions every parameter: each carries a ds_id
+    return "zero3" if first is not None and hasattr(first, "ds_id") else None
 
 
 @dataclass
