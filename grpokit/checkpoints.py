@@ -33,8 +33,9 @@ import signal
 import struct
 import threading
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import TrainerCallback
@@ -377,6 +378,16 @@ def load_rollout_buffer(trainer, checkpoint: str) -> bool:
 
 
 # -- signals ----------------------------------------------------------------------------------------------------
+@contextmanager
+def _loading(what: str, checkpoint, files: str = "") -> Iterator[None]:
+    """Any failure while transformers loads part of a checkpoint becomes one CheckpointError naming the part."""
+    try:
+        yield
+    except Exception as e:
+        where = f"{checkpoint} ({files})" if files else f"{checkpoint}"
+        raise CheckpointError(f"{what} in {where} could not be loaded: {type(e).__name__}: {e}") from e
+
+
 class GracefulInterrupt(TrainerCallback):
     """First SIGINT/SIGTERM: finish the optimizer step in progress, save a checkpoint, stop training (``train()``
     returns normally; ``trainer.interrupted`` holds the signal number, ``trainer.interrupt_checkpoint`` the path).
@@ -474,22 +485,13 @@ class CheckpointingMixin:
         save_checkpoint_atomically(self, model, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        try:
+        with _loading("the model weights", resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        except Exception as e:
-            raise CheckpointError(f"the model weights in {resume_from_checkpoint} could not be loaded: "
-                                  f"{type(e).__name__}: {e}") from e
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        try:
+        with _loading("the optimizer or scheduler state", checkpoint, "optimizer.pt, scheduler.pt"):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        except Exception as e:
-            raise CheckpointError(f"the optimizer or scheduler state in {checkpoint} (optimizer.pt, scheduler.pt) "
-                                  f"could not be loaded: {type(e).__name__}: {e}") from e
 
     def _load_rng_state(self, checkpoint):
-        try:
+        with _loading("the RNG state", checkpoint, "rng_state.pth"):
             return super()._load_rng_state(checkpoint)
-        except Exception as e:
-            raise CheckpointError(f"the RNG state in {checkpoint} (rng_state.pth) could not be loaded: "
-                                  f"{type(e).__name__}: {e}") from e

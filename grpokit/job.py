@@ -288,18 +288,18 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
     wall_start = time.perf_counter()
     job, config, task, reward_funcs, lora, ev = prepare(spec)
     main = config.process_index == 0  # under accelerate/torchrun every rank runs the job; one prints and writes
-    say = _say if main else _silent
+    tell = say if main else _silent
     try:
         resume_path = resolve_resume(resume, config.output_dir)
     except CheckpointError as e:
         raise JobError(str(e)) from None
     out = Path(config.output_dir)
     if resume_path:
-        say(quiet, f"resuming from {resume_path}")
+        tell(quiet, f"resuming from {resume_path}")
     elif resume is not None:
-        say(quiet, f"no checkpoint in {out} yet: starting from scratch")
+        tell(quiet, f"no checkpoint in {out} yet: starting from scratch")
     elif latest_checkpoint(out) is not None:
-        say(quiet, f"note: {out} holds checkpoints up to {latest_checkpoint(out).name}; starting from scratch "
+        tell(quiet, f"note: {out} holds checkpoints up to {latest_checkpoint(out).name}; starting from scratch "
                    "(--resume auto continues from the latest)")
     out.mkdir(parents=True, exist_ok=True)
     transformers.set_seed(config.seed)
@@ -321,14 +321,14 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
     cached_before = out / "eval_before.json"
     if ev["before"] and task.eval_dataset is not None and resume_path and cached_before.is_file():
         eval_before, samples_before = json.loads(cached_before.read_text())  # measured by the interrupted run
-        say(quiet, _eval_line("before (measured by the first run)", eval_before))
+        tell(quiet, _eval_line("before (measured by the first run)", eval_before))
     elif ev["before"] and task.eval_dataset is not None:
-        say(quiet, f"evaluating the model before training on {min(ev['n'], len(task.eval_dataset))} held-out prompts")
+        tell(quiet, f"evaluating the model before training on {min(ev['n'], len(task.eval_dataset))} held-out prompts")
         # With DeepSpeed's zero3_init_flag the model was loaded partitioned and is not in DeepSpeed's engine yet
         # (no hooks gather its layers): gather it whole for this evaluation.
         with full_weights(model) if sharding_kind(model) == "zero3" else contextlib.nullcontext():
             eval_before, samples_before = evaluate(model, tokenizer, task.eval_dataset, eval_funcs, **eval_kwargs)
-        say(quiet, _eval_line("before", eval_before))
+        tell(quiet, _eval_line("before", eval_before))
         if main and _jsonable([eval_before, samples_before]):
             cached_before.write_text(json.dumps([eval_before, samples_before]))
 
@@ -356,10 +356,10 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
     trainer.save_model(str(out / "final"))
 
     if ev["after"] and task.eval_dataset is not None:
-        say(quiet, "evaluating the trained model")
+        tell(quiet, "evaluating the trained model")
         eval_after, samples_after = evaluate(trainer.model, tokenizer, task.eval_dataset, eval_funcs,
                                                **eval_kwargs)
-        say(quiet, _eval_line("after", eval_after))
+        tell(quiet, _eval_line("after", eval_after))
 
     if not main:
         return {"eval_before": eval_before, "eval_after": eval_after, "steps": trainer.state.global_step}
@@ -372,7 +372,7 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
                  extra={"task": task.name, "description": task.description,
                         "distributed": _distributed_summary(trainer)})
     report = json.loads((out / "report.json").read_text())
-    say(quiet, f"report: {out / 'report.md'}")
+    tell(quiet, f"report: {out / 'report.md'}")
     return report
 
 
@@ -410,9 +410,6 @@ def _silent(quiet: bool, message: str) -> None:
     return None
 
 
-def _say(quiet: bool, message: str) -> None:
+def say(quiet: bool, message: str) -> None:
     """Job milestones are printed even with --quiet (which only drops the live progress bar)."""
     print(message, flush=True)
-
-
-say = _say

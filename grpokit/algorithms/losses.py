@@ -44,15 +44,22 @@ LossFn = Callable[[LossContext], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 LOSSES: dict[str, LossFn] = {}
 
 
-def register_loss(*names: str) -> Callable[[LossFn], LossFn]:
-    """Register a per-token loss under one or more ``loss_type`` names."""
+def _registrar(table: dict) -> Callable:
+    """A decorator factory that stores the decorated function in ``table`` under each name given."""
 
-    def wrap(fn: LossFn) -> LossFn:
-        for name in names:
-            LOSSES[name] = fn
-        return fn
+    def register(*names: str) -> Callable:
+        def wrap(fn):
+            for name in names:
+                table[name] = fn
+            return fn
 
-    return wrap
+        return wrap
+
+    return register
+
+
+register_loss = _registrar(LOSSES)
+"""Register a per-token loss under one or more ``loss_type`` names: ``@register_loss("dapo", "grpo")``."""
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, denom: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,15 +281,8 @@ ClosedFormFn = Callable[[LossContext, LossWeights], ClosedForm]
 CLOSED_FORMS: dict[str, ClosedFormFn] = {}
 
 
-def register_closed_form(*names: str) -> Callable[[ClosedFormFn], ClosedFormFn]:
-    """Register the closed form (value and gradient, no autograd) of a registered loss."""
-
-    def wrap(fn: ClosedFormFn) -> ClosedFormFn:
-        for name in names:
-            CLOSED_FORMS[name] = fn
-        return fn
-
-    return wrap
+register_closed_form = _registrar(CLOSED_FORMS)
+"""Register the closed form (value and gradient, no autograd) of a registered loss."""
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

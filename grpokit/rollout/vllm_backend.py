@@ -110,8 +110,8 @@ class VLLMRollout:
         else:
             # One client for the whole run, on the main process: it gathers every rank's prompts (TRL's server
             # takes one communicator); the other ranks get their completions from it.
-            self.is_main = process_index == 0
-            self.client = (client if client is not None else self._make_client(args)) if self.is_main else None
+            is_main = process_index == 0
+            self.client = (client if client is not None else self._make_client(args)) if is_main else None
             self.llm = None
 
     @staticmethod
