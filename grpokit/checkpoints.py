@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from transformers import TrainerCallback
+
+from .batch import RolloutBuffer
+from .callbacks.interrupt import GracefulInterrupt
 
 logger = logging.getLogger("grpokit")
 
@@ -273,111 +275,42 @@ def _publish(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint_atomically(trainer, model, trial=None) -> str:
-    """``Trainer._save_checkpoint`` of transformers 5.24, writing into ``checkpoint-N.tmp-<pid>`` and renaming it to
-    ``checkpoint-N`` once every file is on disk. Rotation (``save_total_limit``) runs after the rename."""
-    from transformers.trainer import TRAINER_STATE_NAME
-    from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
-
-    args, state = trainer.args, trainer.state
-    if trainer.hp_search_backend is None and trial is None:
-        trainer.store_flos()
-    run_dir = trainer._get_output_dir(trial=trial)
-    final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-    tmp = f"{final}.tmp-{_tmp_tag(trainer)}"
-    if args.should_save:
-        os.makedirs(run_dir, exist_ok=True)
-        remove_partial_checkpoints(run_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
-    trainer.accelerator.wait_for_everyone()
-
-    trainer.save_model(tmp, _internal_call=True)
-    if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
-        trainer.accelerator.wait_for_everyone()
-        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
-        if state.best_global_step == state.global_step or os.path.exists(best):
-            state.best_model_checkpoint = best
-    if not args.save_only_model:
-        trainer._save_optimizer_and_scheduler(tmp)
-        trainer._save_scaler(tmp)
-        trainer._save_rng_state(tmp)
-        save_rollout_buffer(trainer, tmp)
-    if args.should_save:
-        for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
-            name = cb.__class__.__name__
-            if isinstance(state.stateful_callbacks.get(name), list):
-                state.stateful_callbacks[name].append(cb.state())
-            else:
-                state.stateful_callbacks[name] = cb.state()
-        state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
-    trainer.accelerator.wait_for_everyone()
-    if args.should_save:
-        _fsync_tree(tmp)
-        _publish(tmp, final)
-    trainer.accelerator.wait_for_everyone()
-    if args.push_to_hub:
-        trainer._push_from_checkpoint(final)
-    if args.should_save:
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
-                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
-    return final
-
-
 # -- the rollouts of a generation batch that straddles a checkpoint ----------------------------------------------
-def _rollouts_name(trainer) -> str:
-    if trainer.args.world_size <= 1:
-        return ROLLOUTS_FILE
-    return ROLLOUTS_FILE.replace(".safetensors", f"_{trainer.args.process_index}.safetensors")
+def rollouts_file(directory: str | os.PathLike, process_index: int = 0, world_size: int = 1) -> str:
+    name = ROLLOUTS_FILE if world_size <= 1 else ROLLOUTS_FILE.replace(".safetensors", f"_{process_index}.safetensors")
+    return os.path.join(directory, name)
 
 
-def save_rollout_buffer(trainer, output_dir: str) -> None:
+def save_rollout_buffer(buffer: RolloutBuffer, directory: str, process_index: int = 0, world_size: int = 1) -> None:
     """Save the micro-batches not consumed yet when the checkpoint falls inside a generation batch."""
-    buffer = getattr(trainer, "_buffer", None)
-    every = getattr(trainer, "_generate_every", 1)
-    if not buffer or getattr(trainer, "_micro_step", 0) % every == 0:
+    if not buffer.mid_generation():
         return
     from safetensors.torch import save_file
 
-    tensors = {}
-    for i, part in enumerate(buffer):
-        for key, value in part.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{i}/{key}"] = value.detach().to("cpu").clone()  # parts may share a tensor
-    os.makedirs(output_dir, exist_ok=True)
-    save_file(tensors, os.path.join(output_dir, _rollouts_name(trainer)),
-              metadata={"parts": str(len(buffer)), "micro_step": str(trainer._micro_step)})
+    tensors, metadata = buffer.state_dict()
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, rollouts_file(directory, process_index, world_size), metadata=metadata)
 
 
-def load_rollout_buffer(trainer, checkpoint: str) -> bool:
+def load_rollout_buffer(buffer: RolloutBuffer, checkpoint: str, device, process_index: int = 0,
+                        world_size: int = 1) -> bool:
     """Restore the saved micro-batches of a checkpoint taken inside a generation batch; False when the checkpoint
     is on a generation boundary (nothing to restore) or has no saved rollouts (the batch is regenerated)."""
-    every = getattr(trainer, "_generate_every", 1)
-    if trainer._micro_step % every == 0:
+    if buffer.micro_step % buffer.generate_every == 0:
         return False
-    path = os.path.join(checkpoint, _rollouts_name(trainer))
+    path = rollouts_file(checkpoint, process_index, world_size)
     if not os.path.isfile(path):
         logger.warning("checkpoint %s falls inside a generation batch and holds no saved rollouts: that batch is "
                        "generated again, so the resumed run is not step-for-step identical", checkpoint)
         return False
     from safetensors import safe_open
 
-    device = trainer.accelerator.device
     with safe_open(path, framework="pt", device="cpu") as f:
-        meta = f.metadata() or {}
-        parts: list[dict[str, Any]] = [{} for _ in range(int(meta.get("parts", "0")))]
-        for name in f.keys():
-            i, key = name.split("/", 1)
-            parts[int(i)][key] = f.get_tensor(name).to(device)
-    optional = ("old_logps", "ref_logps", "sampler_logps", "sampler_ratio")
-    for part in parts:
-        for key in optional:
-            part.setdefault(key, None)
-    trainer._buffer = parts
+        buffer.load_state_dict({name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}, device)
     return True
 
 
-# -- signals ----------------------------------------------------------------------------------------------------
+# -- loading ----------------------------------------------------------------------------------------------------
 @contextmanager
 def _loading(what: str, checkpoint, files: str = "") -> Iterator[None]:
     """Any failure while transformers loads part of a checkpoint becomes one CheckpointError naming the part."""
@@ -386,72 +319,6 @@ def _loading(what: str, checkpoint, files: str = "") -> Iterator[None]:
     except Exception as e:
         where = f"{checkpoint} ({files})" if files else f"{checkpoint}"
         raise CheckpointError(f"{what} in {where} could not be loaded: {type(e).__name__}: {e}") from e
-
-
-class GracefulInterrupt(TrainerCallback):
-    """First SIGINT/SIGTERM: finish the optimizer step in progress, save a checkpoint, stop training (``train()``
-    returns normally; ``trainer.interrupted`` holds the signal number, ``trainer.interrupt_checkpoint`` the path).
-    Second signal: stop at once. Handlers are installed only while ``train()`` runs, from the main thread."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    # installed around Trainer.train by GRPOTrainer.train
-    def install(self) -> None:
-        self.received = None
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in self.SIGNALS:
-            if sig == signal.SIGTERM and getattr(self.trainer.args, "enable_jit_checkpoint", False):
-                continue  # transformers' own SIGTERM checkpointing was asked for
-            if signal.getsignal(sig) == signal.SIG_IGN:
-                continue  # ignored by whoever started us (e.g. nohup): keep it so
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            try:
-                signal.signal(sig, handler)
-            except (ValueError, TypeError):
-                pass
-        self._previous = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:  # second signal: stop now
-            self.uninstall()
-            signal.raise_signal(signum)
-            if signum == signal.SIGINT:  # a SIGINT handler that does not raise: make sure we stop
-                raise KeyboardInterrupt
-            return
-        self.received = signum
-        name = signal.Signals(signum).name
-        logger.warning("grpokit: %s received: finishing the current step, saving a checkpoint and stopping "
-                       "(send it again to stop at once)", name)
-
-    def on_step_end(self, args, state, control, **kw):
-        stop = self.received is not None
-        if args.world_size > 1:  # every process must stop at the same step, whichever received the signal
-            flag = torch.tensor([1.0 if stop else 0.0], device=self.trainer.accelerator.device)
-            stop = bool(self.trainer.accelerator.reduce(flag, reduction="max").item())
-            if stop and self.received is None:
-                self.received = signal.SIGTERM
-        if stop:
-            control.should_save = True
-            control.should_log = True
-            control.should_training_stop = True
-        return control
-
-    def on_save(self, args, state, control, **kw):
-        if self.received is not None:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            self.trainer.interrupt_checkpoint = os.path.join(self.trainer._get_output_dir(None),
-                                                             f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        return control
 
 
 class CheckpointingMixin:
@@ -482,7 +349,45 @@ class CheckpointingMixin:
             self.interrupted = guard.received
 
     def _save_checkpoint(self, model, trial) -> None:
-        save_checkpoint_atomically(self, model, trial)
+        """One narrow override: transformers' own ``_save_checkpoint`` writes the checkpoint, with ``output_dir``
+        pointed at a staging directory ``checkpoint-N.tmp-<tag>`` while it runs and rotation deferred; then the
+        trainer's unconsumed rollouts are added, every file is flushed to disk, the checkpoint is renamed into place in
+        one step and older checkpoints are rotated (``save_total_limit``)."""
+        args = self.args
+        if trial is not None:  # hyper-parameter search names its own run directories: no staging
+            return super()._save_checkpoint(model, trial)
+        run_dir, limit = args.output_dir, args.save_total_limit
+        name = f"checkpoint-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        staging = f"{final}.tmp-{_tmp_tag(self)}"
+        if args.should_save:
+            os.makedirs(run_dir, exist_ok=True)
+            remove_partial_checkpoints(run_dir)
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        args.output_dir, args.save_total_limit = staging, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            args.output_dir, args.save_total_limit = run_dir, limit
+        written = os.path.join(staging, name)
+        if not args.save_only_model:
+            self._save_rollout_state(written)
+        best = self.state.best_model_checkpoint
+        if best and best.startswith(staging):  # transformers recorded the staging path: record the final one
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+            if args.should_save:
+                self.state.save_to_json(os.path.join(written, "trainer_state.json"))
+        self.accelerator.wait_for_everyone()
+        if args.should_save:
+            _fsync_tree(written)
+            _publish(written, final)
+            shutil.rmtree(staging, ignore_errors=True)
+            from transformers.trainer_utils import rotate_checkpoints
+
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         with _loading("the model weights", resume_from_checkpoint):

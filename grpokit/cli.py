@@ -104,10 +104,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from .job import ALGORITHMS, run_job
+    from .job import algorithms, run_job
 
     spec = dict(DEMO_SPEC)
-    spec.update(ALGORITHMS[ns.algo])
+    spec.update(algorithms()[ns.algo])
     spec["output_dir"] = ns.output_dir
     if ns.time_budget is not None:
         spec["time_budget_s"] = ns.time_budget
@@ -171,16 +171,16 @@ def _load_for_eval(path: str):
 
 
 def cmd_tasks(ns: argparse.Namespace) -> int:
-    from .job import ALGORITHMS
+    from .job import algorithms
     from .tasks import list_tasks
 
     print("tasks:", ", ".join(list_tasks()))
-    print("algorithms (--algo):", ", ".join(ALGORITHMS))
+    print("algorithms (--algo):", ", ".join(algorithms()))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .job import ALGORITHMS
+    from .job import algorithms
 
     p = argparse.ArgumentParser(prog="grpokit", description="GRPO-family RL fine-tuning of language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="train the embedded SmolLM2-135M on arithmetic (CPU, ~10 minutes)")
-    d.add_argument("--algo", choices=list(ALGORITHMS), default="grpo")
+    d.add_argument("--algo", choices=list(algorithms()), default="grpo")
     d.add_argument("--output-dir", default="runs/demo")
     d.add_argument("--time-budget", type=float, help="seconds of training (default 540)")
     d.add_argument("--max-steps", type=int)

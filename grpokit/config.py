@@ -9,27 +9,30 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 import torch
 import transformers
 
 from .algorithms.advantages import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from .algorithms.aggregation import TOKEN_SUMMED
 from .algorithms.importance import IMPORTANCE_SAMPLING_LEVELS, SAMPLER_CORRECTION_MODES
-from .algorithms.losses import LOSS_TYPES
+from .algorithms.losses import LOSS_TYPES, config_params, loss_spec
+from .algorithms.losses._registry import check_bounds, param_type
+from .algorithms.settings import LossSettings
+from .validation import Checker, short_repr
 
 logger = logging.getLogger("grpokit")
 
-TOKEN_SUMMED_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
-CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 VLLM_MODES = ("colocate", "server")
-CHOICE_FIELDS: dict[str, tuple[str, ...]] = {
+CHOICE_FIELDS: dict[str, Any] = {
     "loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
     "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS, "advantage_estimator": ADVANTAGE_ESTIMATORS,
     "vllm_mode": VLLM_MODES, "vllm_importance_sampling_mode": SAMPLER_CORRECTION_MODES,
 }
-"""Fields whose value is one of a few names; validation lists them (``scale_rewards`` also takes True/False)."""
+"""Fields whose value is one of a few names; validation lists them (``scale_rewards`` also takes True/False;
+``loss_type`` reads the loss registry at each check)."""
 
 # TRL fields whose feature grpokit does not implement yet: setting them away from the default is an error
 # rather than a silent no-op. (field -> default)
@@ -51,8 +54,17 @@ def _meta(help_text: str) -> dict[str, Any]:
     return {"help": help_text}
 
 
+def _loss_param_fields() -> type:
+    """A dataclass holding one flat field per hyper-parameter of every registered loss (``vespo_k_pos``,
+    ``clip_cov_ratio``, ...), with the default and help of the loss's own description: ``GRPOConfig`` inherits
+    them, so a new loss brings its fields with it."""
+    fields = [(name, param_type(spec, f), field(default=f.default, metadata=_meta(f.metadata["help"])))
+              for name, (spec, f) in config_params().items()]
+    return make_dataclass("LossParameterFields", fields)
+
+
 @dataclass
-class GRPOConfig(transformers.TrainingArguments):
+class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     r"""Configuration of :class:`grpokit.GRPOTrainer`; a drop-in for ``trl.GRPOConfig`` (TRL 1.16).
 
     Batch arithmetic (as TRL): ``per_device_train_batch_size`` counts *completions*; one generation batch holds
@@ -156,12 +168,6 @@ class GRPOConfig(transformers.TrainingArguments):
         default=None,
         metadata=_meta("Upper clip ε (DAPO clip-higher); for cispo the absolute weight cap (default 5.0)."),
     )
-    sapo_temperature_neg: float = field(default=1.05, metadata=_meta("SAPO gate temperature for A ≤ 0."))
-    sapo_temperature_pos: float = field(default=1.0, metadata=_meta("SAPO gate temperature for A > 0."))
-    vespo_k_pos: float = field(default=2.0, metadata=_meta("VESPO shape k for A ≥ 0."))
-    vespo_lambda_pos: float = field(default=3.0, metadata=_meta("VESPO rate λ for A ≥ 0."))
-    vespo_k_neg: float = field(default=3.0, metadata=_meta("VESPO shape k for A < 0."))
-    vespo_lambda_neg: float = field(default=2.0, metadata=_meta("VESPO rate λ for A < 0."))
     importance_sampling_level: str = field(
         default="token", metadata=_meta("token (GRPO) | sequence (GSPO) | sequence_token (GSPO-token).")
     )
@@ -171,7 +177,11 @@ class GRPOConfig(transformers.TrainingArguments):
     )
     scale_rewards: str = field(default="group", metadata=_meta("group | batch | none (True/False accepted)."))
     loss_type: str = field(
-        default="dapo", metadata=_meta("grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo | gmpo.")
+        default="dapo", metadata=_meta(f"{' | '.join(LOSS_TYPES)} (docs/algorithms.md; more with register_loss).")
+    )
+    loss_params: dict | str | None = field(
+        default=None, metadata=_meta("The loss's own hyper-parameters by name (e.g. {\"k_pos\": 1.5} for vespo); the "
+                                     "only way to set those of a loss registered at run time.")
     )
     mask_truncated_completions: bool = field(
         default=False, metadata=_meta("Exclude completions cut at max_completion_length from the loss.")
@@ -222,6 +232,7 @@ class GRPOConfig(transformers.TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        self._parse_json_fields()
         self._validate_own_fields()
         # TRL users write gradient_checkpointing; transformers 5 calls it activation_checkpointing. Map it here so
         # neither a deprecation warning nor TRL's default (True) hides the user's choice.
@@ -237,16 +248,6 @@ class GRPOConfig(transformers.TrainingArguments):
             self.bf16 = bool(not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         if self.vllm_importance_sampling_cap is not None:
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        for name in ("generation_kwargs", "chat_template_kwargs", "model_init_kwargs"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                try:
-                    setattr(self, name, json.loads(value))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{name}={value!r} is not valid JSON: {e}") from None
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
-                raise ValueError(f"{name}={value!r} is not allowed: expected a mapping of keyword: value (or its "
-                                 "JSON text)")
         if isinstance(self.pad_to_multiple_of, str):
             v = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if v in ("auto", "none", "null") else int(v)
@@ -254,115 +255,121 @@ class GRPOConfig(transformers.TrainingArguments):
         self._derive_batches()
         self._warn_combinations()
 
+    def _parse_json_fields(self) -> None:
+        """Mapping fields may be given as JSON text (the command line's only way)."""
+        for name in ("generation_kwargs", "chat_template_kwargs", "model_init_kwargs", "loss_params"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    setattr(self, name, json.loads(value))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{name}={short_repr(value)} is not valid JSON: {e}") from None
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name}={short_repr(value)} is not allowed: expected a mapping of keyword: value "
+                                 "(or its JSON text)")
+
     # -- validation -------------------------------------------------------------------------------------------
     def _validate_own_fields(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name}={getattr(self, name)!r} is not allowed: {allowed}")
-
-        def choice(name: str, options: tuple[str, ...]) -> None:
-            if getattr(self, name) not in options:
-                raise bad(name, "use one of " + ", ".join(repr(o) for o in options))
-
-        def number(name: str, lo: float | None = None, hi: float | None = None, *, lo_open=False, hi_open=False,
-                   optional=False, integer=False) -> None:
-            v = getattr(self, name)
-            if v is None and optional:
-                return
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
-                raise bad(name, f"expected {'an integer' if integer else 'a number'}"
-                                + (" or None" if optional else ""))
-            if isinstance(v, float) and not math.isfinite(v):
-                raise bad(name, "expected a finite number")
-            lo_ok = lo is None or (v > lo if lo_open else v >= lo)
-            hi_ok = hi is None or (v < hi if hi_open else v <= hi)
-            if not (lo_ok and hi_ok):
-                lb = "" if lo is None else ("(" if lo_open else "[") + f"{lo}"
-                ub = "" if hi is None else f"{hi}" + (")" if hi_open else "]")
-                rng = f"{lb or '(-inf'}, {ub or 'inf)'}"
-                raise bad(name, f"must be in {rng}")
-
+        check = Checker(self)
         for name, default in UNSUPPORTED_FIELDS.items():
             if getattr(self, name) != default:
                 raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported by grpokit yet; leave it at {default!r}"
+                    f"{name}={short_repr(getattr(self, name))} is not supported by grpokit yet; leave it at {default!r}"
                 )
-        choice("loss_type", LOSS_TYPES)
-        choice("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS)
         if self.scale_rewards is True:
             self.scale_rewards = "group"
         elif self.scale_rewards is False:
             self.scale_rewards = "none"
-        choice("scale_rewards", SCALE_REWARDS)
-        choice("multi_objective_aggregation", MULTI_OBJECTIVE_AGGREGATIONS)
-        choice("advantage_estimator", ADVANTAGE_ESTIMATORS)
-        choice("vllm_mode", VLLM_MODES)
-        choice("vllm_importance_sampling_mode", SAMPLER_CORRECTION_MODES)
-        number("num_generations", 2, integer=True)
-        if self.num_generations_eval is not None:
-            number("num_generations_eval", 1, integer=True)
-        number("max_completion_length", 1, integer=True)
-        number("max_prompt_length", 1, integer=True, optional=True)
-        number("num_iterations", 1, integer=True)
-        number("epsilon", 0, lo_open=True)
-        number("epsilon_high", 0, lo_open=True, optional=True)
-        if self.epsilon_high is not None and self.loss_type in CLIP_LOSSES + ("gmpo",) and self.epsilon_high < self.epsilon:
-            raise ValueError(
-                f"epsilon_high={self.epsilon_high!r} is smaller than epsilon={self.epsilon!r}: the clip range is "
-                "inverted; use epsilon_high >= epsilon (DAPO's clip-higher) or leave it None"
-            )
-        if self.loss_type in CLIP_LOSSES and self.epsilon >= 1:
-            raise ValueError(f"epsilon={self.epsilon!r} is not allowed: the lower clip 1-epsilon must stay positive; "
-                             "use a value in (0, 1)")
-        if self.delta is not None:
-            eps_hi = self.epsilon_high if self.epsilon_high is not None else self.epsilon
-            number("delta", 1 + eps_hi, lo_open=True)
-        number("beta", 0)
-        number("temperature", 0, lo_open=True)
-        number("top_p", 0, 1, lo_open=True)
-        number("top_k", 0, integer=True)
-        number("min_p", 0, 1, optional=True)
-        number("repetition_penalty", 0, lo_open=True)
-        number("top_entropy_quantile", 0, 1, lo_open=True)
-        number("off_policy_mask_threshold", 0, optional=True)
-        number("sapo_temperature_pos", 0, lo_open=True)
-        number("sapo_temperature_neg", 0, lo_open=True)
-        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            number(name, 0)
-        number("entropy_coef", 0)
-        number("ref_model_mixup_alpha", 0, 1)
-        number("ref_model_sync_steps", 1, integer=True)
-        number("vllm_importance_sampling_clip_max", 0, lo_open=True, optional=True)
-        number("vllm_importance_sampling_clip_min", 0, optional=True)
-        number("vllm_gpu_memory_utilization", 0, 1, lo_open=True)
-        number("overlong_penalty_factor", 0)
-        number("warmup_ratio", 0, 1, hi_open=True, optional=True)
-        if self.overlong_buffer_length is not None:
-            number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
-        number("generation_batch_size", 1, integer=True, optional=True)
-        number("steps_per_generation", 1, integer=True, optional=True)
-        # TrainingArguments fields that transformers accepts as they are but that fail only once the model is
-        # loaded (the optimizer, the seed) or silently do nothing (a save or log interval of 0)
-        number("per_device_train_batch_size", 1, integer=True)
-        number("gradient_accumulation_steps", 1, integer=True)
-        number("learning_rate", 0)
-        number("weight_decay", 0)
-        number("adam_beta1", 0, 1, hi_open=True)
-        number("adam_beta2", 0, 1, hi_open=True)
-        number("adam_epsilon", 0)
-        number("max_grad_norm", 0)
-        number("num_train_epochs", 0)
-        number("seed", 0, 2**32 - 1, integer=True)
-        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "steps":
-            number("save_steps", 0, lo_open=True)
-        if str(getattr(self.logging_strategy, "value", self.logging_strategy)) == "steps":
-            number("logging_steps", 0, lo_open=True)
-        self._validate_report_to()
+        for name, options in CHOICE_FIELDS.items():
+            check.choice(name, options)
+        self._validate_generation(check)
+        self._validate_loss(check)
+        self._validate_training_arguments(check)
+        self._validate_vllm(check)
         if self.reward_weights is not None:
             if not isinstance(self.reward_weights, (list, tuple)) or not all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights
             ):
-                raise bad("reward_weights", "expected a list of finite numbers, one per reward function")
+                raise check.bad("reward_weights", "expected a list of finite numbers, one per reward function")
             self.reward_weights = [float(w) for w in self.reward_weights]
+
+    def _validate_generation(self, check: Checker) -> None:
+        check.number("num_generations", 2, integer=True)
+        check.number("num_generations_eval", 1, integer=True, optional=True)
+        check.number("max_completion_length", 1, integer=True)
+        check.number("max_prompt_length", 1, integer=True, optional=True)
+        check.number("temperature", 0, lo_open=True)
+        check.number("top_p", 0, 1, lo_open=True)
+        check.number("top_k", 0, integer=True)
+        check.number("min_p", 0, 1, optional=True)
+        check.number("repetition_penalty", 0, lo_open=True)
+        check.number("generation_batch_size", 1, integer=True, optional=True)
+        check.number("steps_per_generation", 1, integer=True, optional=True)
+        check.number("overlong_penalty_factor", 0)
+        if self.overlong_buffer_length is not None:
+            check.number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
+
+    def _validate_loss(self, check: Checker) -> None:
+        """The objective's fields, read through the loss's description (what epsilon means for it, its own
+        hyper-parameters and their ranges)."""
+        spec = loss_spec(self.loss_type)
+        check.number("num_iterations", 1, integer=True)
+        check.number("epsilon", 0, lo_open=True)
+        check.number("epsilon_high", 0, lo_open=True, optional=True)
+        if self.epsilon_high is not None and spec.epsilon in ("ratio", "log_ratio") and self.epsilon_high < self.epsilon:
+            raise ValueError(
+                f"epsilon_high={self.epsilon_high!r} is smaller than epsilon={self.epsilon!r}: the clip range is "
+                "inverted; use epsilon_high >= epsilon (DAPO's clip-higher) or leave it None"
+            )
+        if spec.epsilon == "ratio" and self.epsilon >= 1:
+            raise ValueError(f"epsilon={self.epsilon!r} is not allowed: the lower clip 1-epsilon must stay positive; "
+                             "use a value in (0, 1)")
+        if self.delta is not None:
+            check.number("delta", 1 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon),
+                         lo_open=True)
+        check.number("beta", 0)
+        check.number("top_entropy_quantile", 0, 1, lo_open=True)
+        check.number("off_policy_mask_threshold", 0, optional=True)
+        check.number("entropy_coef", 0)
+        check.number("ref_model_mixup_alpha", 0, 1)
+        check.number("ref_model_sync_steps", 1, integer=True)
+        for name, (_, f) in config_params().items():
+            if hasattr(self, name) and (why := check_bounds(name, getattr(self, name), f)):
+                raise check.bad(name, why)
+        try:  # the loss's own parameters, as the trainer will build them (loss_params overrides included)
+            LossSettings.from_config(self)
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+
+    def _validate_training_arguments(self, check: Checker) -> None:
+        """TrainingArguments fields that transformers accepts as they are but that fail only once the model is
+        loaded (the optimizer, the seed) or silently do nothing (a save or log interval of 0)."""
+        check.number("warmup_ratio", 0, 1, hi_open=True, optional=True)
+        check.number("per_device_train_batch_size", 1, integer=True)
+        check.number("gradient_accumulation_steps", 1, integer=True)
+        check.number("learning_rate", 0)
+        check.number("weight_decay", 0)
+        check.number("adam_beta1", 0, 1, hi_open=True)
+        check.number("adam_beta2", 0, 1, hi_open=True)
+        check.number("adam_epsilon", 0)
+        check.number("max_grad_norm", 0)
+        check.number("num_train_epochs", 0)
+        check.number("seed", 0, 2**32 - 1, integer=True)
+        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "steps":
+            check.number("save_steps", 0, lo_open=True)
+        if str(getattr(self.logging_strategy, "value", self.logging_strategy)) == "steps":
+            check.number("logging_steps", 0, lo_open=True)
+        self._validate_report_to()
+        if getattr(self, "auto_find_batch_size", False):
+            raise ValueError(
+                "auto_find_batch_size=True is not allowed: shrinking the batch breaks the groups of num_generations "
+                "completions; lower per_device_train_batch_size instead"
+            )
+
+    def _validate_vllm(self, check: Checker) -> None:
+        check.number("vllm_importance_sampling_clip_max", 0, lo_open=True, optional=True)
+        check.number("vllm_importance_sampling_clip_min", 0, optional=True)
+        check.number("vllm_gpu_memory_utilization", 0, 1, lo_open=True)
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(
@@ -373,23 +380,18 @@ class GRPOConfig(transformers.TrainingArguments):
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs a bound: set "
                 "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max"
             )
-        if (self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction
-                and self.vllm_importance_sampling_mode.startswith("sequence")):
+        if (loss_spec(self.loss_type).sampler_ratio == "fold" and self.use_vllm
+                and self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.startswith("sequence")):
             raise ValueError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not allowed with "
-                "loss_type='vespo': a sequence-level ratio would be raised to the power of the length inside VESPO's "
-                "weight; use 'token_truncate' or 'token_mask'"
+                f"loss_type={self.loss_type!r}: a sequence-level ratio would be raised to the power of the length "
+                "inside its sequence weight; use 'token_truncate' or 'token_mask'"
             )
         if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size != 1:
             raise ValueError(
                 f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size!r} with vllm_mode='colocate' is not "
                 "supported by grpokit yet: use 1 (every training process runs its own engine) or vllm_mode='server' "
                 "(trl vllm-serve --tensor-parallel-size N)"
-            )
-        if getattr(self, "auto_find_batch_size", False):
-            raise ValueError(
-                "auto_find_batch_size=True is not allowed: shrinking the batch breaks the groups of num_generations "
-                "completions; lower per_device_train_batch_size instead"
             )
 
     def _validate_report_to(self) -> None:
@@ -435,18 +437,21 @@ class GRPOConfig(transformers.TrainingArguments):
             )
 
     def _warn_combinations(self) -> None:
-        if self.importance_sampling_level == "sequence" and self.loss_type in TOKEN_SUMMED_LOSSES:
+        spec = loss_spec(self.loss_type)
+        level = self.importance_sampling_level
+        if level == "sequence" and spec.aggregation in TOKEN_SUMMED and "sequence" in spec.levels:
             logger.warning(
                 f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums per-token terms, so "
                 "each sequence is weighted by its length; GSPO's own aggregation is loss_type='grpo'."
             )
-        if self.loss_type in ("vespo", "gmpo") and self.importance_sampling_level != "token":
+        if level not in spec.levels:
             logger.warning(
-                f"loss_type={self.loss_type!r} builds its sequence weight from token ratios itself; "
-                f"importance_sampling_level={self.importance_sampling_level!r} has no effect."
+                f"loss_type={self.loss_type!r} builds its weights from token ratios itself; "
+                f"importance_sampling_level={level!r} has no effect."
             )
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            logger.warning("loss_type='luspo' is meant for importance_sampling_level='sequence' (the paper's setup).")
+        elif spec.preferred_level is not None and level != spec.preferred_level:
+            logger.warning(f"loss_type={self.loss_type!r} is meant for importance_sampling_level="
+                           f"{spec.preferred_level!r} (the paper's setup).")
 
     @property
     def epsilon_low(self) -> float:

@@ -103,3 +103,17 @@ def tokenize_prompts(
             ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r):] = 1
     return ids, mask, truncated
+
+
+def check_dataset(name: str, dataset) -> None:
+    """A dataset the trainer can use: not empty, with a ``prompt`` column (checked before a model is loaded)."""
+    if dataset is None:
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and len(dataset):
+        first = dataset[0]
+        columns = list(first) if isinstance(first, dict) else None
+    if hasattr(dataset, "__len__") and len(dataset) == 0:
+        raise ValueError(f"{name} is empty; it needs at least one prompt")
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(f"{name} has no 'prompt' column (columns: {', '.join(map(str, columns))}); add one")

@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from .data import is_conversational, prompt_text, tokenize_prompts
+from .data import is_conversational
 from .reporting import mean_ci95, wilson_interval
+from .rewards import reward_func_name
 from .rollout.base import SamplingParams
+from .rollout.sample import sample_and_score
 from .rollout.transformers_backend import TransformersRollout
-from .scoring import reward_func_name, score_completions
 from .sharding import weights_for_generation
 
 
@@ -56,21 +57,13 @@ def evaluate(
     with weights_for_generation(model, model, gather) as weights:  # gathered once for every batch
         params.lockstep = weights.lockstep
         for s in range(0, len(rows), batch_size):
-            chunk = rows[s:s + batch_size]
-            prompts = [r["prompt"] for r in chunk]
-            conv = [is_conversational(p) for p in prompts]
-            texts = [prompt_text(p, tokenizer) for p in prompts]
-            ids, mask, _ = tokenize_prompts(texts, tokenizer, max_prompt_length, tokenizer.pad_token_id, conv)
-            out = rollout.generate(weights.model, ids.to(device), mask.to(device), params)
-            id_lists = [r[m.bool()].tolist() for r, m in zip(out.completion_ids, out.completion_mask)]
-            decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
-            completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(decoded, conv)]
-            rewards = score_completions(reward_funcs, [None] * len(reward_funcs), prompts=prompts,
-                                        completions=completions, completion_ids=id_lists, rows=chunk)
-            all_rewards.append(rewards)
-            lengths.extend(len(x) for x in id_lists)
-            texts_all.extend(decoded)
-            prompts_all.extend(texts)
+            out = sample_and_score(rows[s:s + batch_size], tokenizer,
+                                   lambda ids, mask: rollout.generate(weights.model, ids, mask, params),
+                                   reward_funcs, max_prompt_length=max_prompt_length, device=device)
+            all_rewards.append(out.rewards)
+            lengths.extend(len(x) for x in out.completion_id_lists)
+            texts_all.extend(out.completion_texts)
+            prompts_all.extend(out.prompt_texts)
     rewards = torch.cat(all_rewards)
     total = torch.nansum(rewards, dim=1)
     values = total.tolist()

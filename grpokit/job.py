@@ -14,9 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
-
 from .config import CHOICE_FIELDS, GRPOConfig
+from .reporting._util import atomic_write_text, jsonable
 
 logger = logging.getLogger("grpokit")
 
@@ -31,21 +30,12 @@ JOB_KEYS = {
     "task_args": "extra keyword arguments for the task (e.g. seed, n_eval)",
 }
 
-ALGORITHMS: dict[str, dict[str, Any]] = {
-    "grpo": {"loss_type": "grpo"},
-    "dapo": {"loss_type": "dapo", "epsilon_high": 0.28},
-    "dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
-    "bnpo": {"loss_type": "bnpo"},
-    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
-    "gspo_token": {"loss_type": "grpo", "importance_sampling_level": "sequence_token", "epsilon": 3e-4,
-                   "epsilon_high": 4e-4},
-    "vespo": {"loss_type": "vespo"},
-    "cispo": {"loss_type": "cispo", "epsilon_high": 5.0},
-    "sapo": {"loss_type": "sapo"},
-    "gmpo": {"loss_type": "gmpo", "epsilon": 0.4, "epsilon_high": 0.4},
-    "luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
-}
-"""Named recipes: the GRPOConfig fields that make each algorithm (``grpokit demo --algo NAME``)."""
+def algorithms() -> dict[str, dict[str, Any]]:
+    """Named recipes: the GRPOConfig fields that make each algorithm (``grpokit demo --algo NAME``), from the loss
+    registry (each loss describes its own)."""
+    from .algorithms.losses import recipes
+
+    return recipes()
 
 
 class JobError(ValueError):
@@ -159,30 +149,6 @@ def split_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return job, cfg
 
 
-class TimeBudget(TrainerCallback):
-    """Stop training before ``seconds`` of training wall time are used up: after each optimizer step, stop when
-    another step as long as the slowest of the last few would overrun the budget."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.start = None
-        self.last = None
-        self.recent: list[float] = []
-
-    def on_train_begin(self, args, state, control, **kw):
-        self.start = self.last = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kw):
-        if self.start is None:
-            return control
-        now = time.perf_counter()
-        self.recent = (self.recent + [now - self.last])[-5:]
-        self.last = now
-        if now - self.start + max(self.recent) > self.seconds:
-            control.should_training_stop = True
-        return control
-
-
 def prepare(spec: dict[str, Any]):
     """Everything that can fail on bad input, before a model is loaded: config, task, reward functions.
     Any such failure is a :class:`JobError`."""
@@ -195,7 +161,7 @@ def prepare(spec: dict[str, Any]):
 
 
 def _prepare(spec: dict[str, Any]):
-    from .rewards import get_reward_func
+    from .rewards import check_reward_weights, get_reward_func, reward_func_name
     from .tasks import get_task
 
     job, cfg_kwargs = split_spec(spec)
@@ -211,10 +177,7 @@ def _prepare(spec: dict[str, Any]):
         names = job["reward_funcs"]
         names = [names] if isinstance(names, str) else names
         reward_funcs = [get_reward_func(n) for n in names]
-    if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
-        raise JobError(f"reward_weights={config.reward_weights!r} is not allowed: {len(config.reward_weights)} "
-                       f"weights for {len(reward_funcs)} reward functions "
-                       f"({', '.join(getattr(f, '__name__', str(f)) for f in reward_funcs)}); give one per function")
+    check_reward_weights(config.reward_weights, [reward_func_name(f) for f in reward_funcs])
     if str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no":
         raise JobError(f"eval_strategy={str(getattr(config.eval_strategy, 'value', config.eval_strategy))!r} is not "
                        "allowed in a job: use 'no' (the job's 'eval' section evaluates before and after training)")
@@ -280,8 +243,9 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
     from .checkpoints import CheckpointError, latest_checkpoint, resolve_resume
     from .evaluation import evaluate
     from .models import load_model, load_tokenizer
-    from .reporting import MetricsJsonlCallback, ProgressCallback, write_report
-    from .scoring import reward_func_name
+    from .callbacks import MetricsJsonlCallback, ProgressCallback, TimeBudget
+    from .reporting import write_report
+    from .rewards import reward_func_name
     from .sharding import full_weights, sharding_kind
     from .trainer import GRPOTrainer
 
@@ -329,8 +293,8 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
         with full_weights(model) if sharding_kind(model) == "zero3" else contextlib.nullcontext():
             eval_before, samples_before = evaluate(model, tokenizer, task.eval_dataset, eval_funcs, **eval_kwargs)
         tell(quiet, _eval_line("before", eval_before))
-        if main and _jsonable([eval_before, samples_before]):
-            cached_before.write_text(json.dumps([eval_before, samples_before]))
+        if main:
+            atomic_write_text(cached_before, json.dumps(jsonable([eval_before, samples_before])))
 
     peft_config = lora_config(lora) if lora is not None else None
     trainer = GRPOTrainer(model, reward_funcs, args=config, train_dataset=task.train_dataset,
@@ -350,8 +314,7 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
     if trainer.interrupted:
         checkpoint = trainer.interrupt_checkpoint
         if checkpoint is None:  # the signal came after the last step: keep that state too
-            trainer._save_checkpoint(trainer.model, None)
-            checkpoint = str(latest_checkpoint(out))
+            checkpoint = trainer.save_checkpoint()
         raise TrainingInterrupted(trainer.interrupted, checkpoint, trainer.state.global_step)
     trainer.save_model(str(out / "final"))
 
@@ -363,7 +326,7 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
 
     if not main:
         return {"eval_before": eval_before, "eval_after": eval_after, "steps": trainer.state.global_step}
-    cfg_dict = {k: v for k, v in config.to_dict().items() if _jsonable(v)}
+    cfg_dict = jsonable(config.to_dict())
     cfg_dict.update(model=job["model"], task=job.get("task") or job.get("dataset"), lora=lora,
                     steps=trainer.state.global_step)
     write_report(str(out), config=cfg_dict, eval_before=eval_before, eval_after=eval_after,
@@ -374,14 +337,6 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
     report = json.loads((out / "report.json").read_text())
     tell(quiet, f"report: {out / 'report.md'}")
     return report
-
-
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v)
-        return True
-    except TypeError:
-        return False
 
 
 def _eval_line(label: str, e: dict[str, Any]) -> str:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .prefix import accepts_cache, encode_once_per_group, group_size, position_ids_from_mask
+
 BLOCK_ROWS = 512
 """Rows (completion tokens) per block of logits."""
 BLOCK_VOCAB = 4096
@@ -23,12 +25,6 @@ BLOCK_VOCAB = 4096
 _POSTPROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale",
                          "output_multiplier", "lm_head_multiplier")
 """Config fields of models that change logits after the LM head (Gemma 2/3, Cohere, Granite, ...)."""
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, as ``generate`` computes them, so a training forward sees the same
-    positions the sampler saw."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 # -- the chunked projection -----------------------------------------------------------------------------------------
@@ -301,29 +297,20 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in base.modules()
         ):
             return False
-    import inspect
-
-    try:
-        return "cache" in inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return accepts_cache(base)
 
 
 def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g: int):
     """The head inputs (B, C, D) for predicting each completion token, with every prompt encoded once for its
-    group of ``g`` identical consecutive rows: a forward over the distinct prompts fills a KV cache, repeated
-    ``g`` times (autograd sums the rows' gradients back onto the prompt), then a forward over the completion
-    tokens only. The same numbers as encoding every row, up to float rounding; None when a forward does not fit."""
-    from transformers import DynamicCache
-
-    base = _unwrap(model)
+    group of ``g`` identical consecutive rows (:func:`grpokit.prefix.encode_once_per_group`), then a forward over
+    the completion tokens only. The same numbers as encoding every row, up to float rounding; None when a forward
+    does not fit."""
     c = completion_ids.shape[1]
-    uniq_ids, uniq_mask = prompt_ids[::g], prompt_mask[::g]
-    cache = DynamicCache(config=base.config)
-    last = _head_inputs(model, head, uniq_ids, uniq_mask, 1, cache=cache)  # predicts completion token 0
+    cache, last = encode_once_per_group(  # `last` predicts completion token 0
+        _unwrap(model), prompt_ids, prompt_mask, g,
+        forward=lambda ids, mask, cache: _head_inputs(model, head, ids, mask, 1, cache=cache))
     if last is None:
         return None
-    cache.batch_repeat_interleave(g)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     positions = position_ids_from_mask(mask)[:, prompt_ids.shape[1]:]
     rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions)
@@ -369,8 +356,6 @@ def completion_logps(
         valid = completion_mask[sl].bool()
         hidden = None
         if head is not None:
-            from .rollout.transformers_backend import group_size
-
             g = group_size(prompt_ids[sl], prompt_mask[sl]) if share else 1
             if g > 1:
                 hidden = _shared_prompt_head_inputs(model, head, prompt_ids[sl], prompt_mask[sl], completion_ids[sl],

@@ -17,18 +17,12 @@ import asyncio
 import inspect
 import math
 import numbers
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from .data import is_conversational
-
-
-def reward_func_name(func: Any) -> str:
-    if isinstance(func, torch.nn.Module):
-        name = getattr(getattr(func, "config", None), "_name_or_path", "") or type(func).__name__
-        return name.rstrip("/").split("/")[-1]
-    return getattr(func, "__name__", type(func).__name__)
+from .rewards import reward_func_name
 
 
 def _snippet(x: Any, width: int = 80) -> str:
@@ -180,19 +174,3 @@ def _run_async(awaitables: list) -> list:
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, gather()).result()
-
-
-def resolve_reward_funcs(reward_funcs: Any, lookup: Callable[[str], Any]) -> list[Any]:
-    """A single function or a list; strings are resolved by ``lookup`` (built-in names, ``module:function``,
-    or a reward model id/path)."""
-    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if not funcs:
-        raise ValueError("reward_funcs is empty; give at least one reward function or reward model")
-    out = []
-    for f in funcs:
-        if isinstance(f, str):
-            f = lookup(f)
-        if not (callable(f) or isinstance(f, torch.nn.Module)):
-            raise ValueError(f"reward_funcs entry {f!r} is neither callable nor a model")
-        out.append(f)
-    return out

@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-from grpokit.rollout.base import RolloutBatch, completion_mask_from_eos  # noqa: E402
+from grpokit.rollout.base import Generation, completion_mask_from_eos  # noqa: E402
 
 
 class FixedRollout:
@@ -36,7 +36,7 @@ class FixedRollout:
         sampler_logps = None
         if self.sampler_noise is not None:
             sampler_logps = -torch.rand(n, c, generator=self.gen) * 3 - self.sampler_noise
-        return RolloutBatch(ids, mask, truncated, sampler_logps)
+        return Generation(ids, mask, truncated, sampler_logps)
 
     def sync_weights(self, model):
         self.synced += 1

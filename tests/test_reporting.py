@@ -12,9 +12,8 @@ pytest.importorskip("rich")
 
 from transformers import TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
+from grpokit.callbacks import MetricsJsonlCallback, ProgressCallback  # noqa: E402
 from grpokit.reporting import (  # noqa: E402
-    MetricsJsonlCallback,
-    ProgressCallback,
     compute_improvement,
     log_completions_table,
     make_plots,
@@ -120,7 +119,7 @@ def test_progress_non_tty_has_no_bar_and_summary_line(capsys, args):
 
 
 def test_progress_bar_on_tty(monkeypatch, args):
-    import grpokit.reporting.callbacks as cbmod
+    import grpokit.callbacks.progress as cbmod
 
     monkeypatch.setattr(cbmod, "_stdout_is_tty", lambda: True)
     cb = ProgressCallback()

@@ -6,7 +6,8 @@ import torch
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.rollout.base import SamplingParams
-from grpokit.rollout.transformers_backend import TransformersRollout, group_size
+from grpokit.prefix import group_size
+from grpokit.rollout.transformers_backend import TransformersRollout
 
 
 def _prompts(tok, texts, g):

@@ -1,5 +1,5 @@
 """Importance ratios: the policy/behaviour log-ratio at token, sequence and sequence_token level, and the
-sampler/trainer mismatch ratio of a rollout engine (ALGORITHMS.md §1 and §5).
+sampler/trainer mismatch ratio of a rollout engine (docs/algorithms.md).
 
 Pure torch; shapes: ``B`` rows, ``T`` padded completion tokens.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .masked import masked_row_mean
 
 LOG_RATIO_CLAMP = 20.0
 """Every log-ratio is clamped to ±20 before any ``exp`` so that nothing overflows."""
@@ -25,11 +27,6 @@ def token_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor | None) -> torc
     """
     old = logps.detach() if old_logps is None else old_logps.detach()
     return torch.clamp(logps - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def masked_row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``Σ_t m·x / max(1, Σ_t m)`` per row, shape (B, 1). Empty rows give 0."""
-    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 def log_importance_weights(d: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""Masks that switch parts of the per-token loss off (ALGORITHMS.md §6)."""
+"""Masks that switch parts of the per-token loss off (docs/algorithms.md)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+from .masked import masked_row_mean
 
 
 @torch.no_grad()
@@ -21,7 +23,7 @@ def off_policy_sequence_mask(
     drifted too far from the sampler are dropped. Tokens without a sampler log-prob (NaN) count as 0.
     """
     drift = torch.nan_to_num(sampler_logps - logps.detach(), nan=0.0)
-    mean_drift = (drift * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    mean_drift = masked_row_mean(drift, mask)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
     return ((adv >= 0) | (mean_drift <= threshold)).to(mask.dtype)
 

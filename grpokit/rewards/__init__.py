@@ -7,13 +7,16 @@
 Built-ins: ``correctness`` (1.0 for the right final ``Answer:``), ``format`` (0.2 for ending with
 ``Answer: <number>``), ``length`` (graded closeness to a ``target_words`` column) and
 ``word_count`` (1.0 for exactly ``target_words`` words). Any other function is reachable as
-``"package.module:function"``.
+``"package.module:function"``; :func:`resolve_reward_funcs` also takes reward models (a directory or hub id of a
+sequence-classification model). This package is the one place reward functions are looked up and named.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
+from typing import Any
 
 from .answers import answers_match, extract_answer, extract_gsm8k_answer, parse_number
 from .builtin import (
@@ -43,6 +46,9 @@ __all__ = [
     "make_length_reward",
     "parse_number",
     "register_reward_func",
+    "resolve_reward_funcs",
+    "reward_func_name",
+    "check_reward_weights",
     "word_count",
 ]
 
@@ -115,3 +121,53 @@ def get_reward_func(name_or_spec: str | RewardFunc) -> RewardFunc:
     if not callable(obj):
         raise ValueError(f"Reward spec {spec!r} names {type(obj).__name__} object, not a function.")
     return obj
+
+
+def reward_func_name(func: Any) -> str:
+    """The name a reward function or reward model is logged under (``rewards/<name>/mean``)."""
+    import torch
+
+    if isinstance(func, torch.nn.Module):
+        name = getattr(getattr(func, "config", None), "_name_or_path", "") or type(func).__name__
+        return name.rstrip("/").split("/")[-1]
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _load_reward_model(spec: str):
+    import transformers
+
+    return transformers.AutoModelForSequenceClassification.from_pretrained(
+        spec, num_labels=1, use_safetensors=True, trust_remote_code=False)
+
+
+def resolve_reward_funcs(reward_funcs: Any) -> list[Any]:
+    """A reward function, reward model or name, or a list of them, as the list the trainer scores with. Strings are
+    built-in names, ``module:function``, or a reward model's directory or hub id (a sequence-classification model
+    whose first logit is the reward)."""
+    import torch
+
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty; give at least one reward function or reward model")
+    out = []
+    for f in funcs:
+        if isinstance(f, str):
+            try:
+                f = get_reward_func(f)
+            except ValueError:
+                if not (os.path.isdir(f) or "/" in f):
+                    raise
+                f = _load_reward_model(f)
+        if not (callable(f) or isinstance(f, torch.nn.Module)):
+            raise ValueError(f"reward_funcs entry {f!r} is neither callable nor a model")
+        out.append(f)
+    return out
+
+
+def check_reward_weights(reward_weights: list[float] | None, names: list[str]) -> None:
+    """One weight per reward function, or none at all."""
+    if reward_weights is not None and len(reward_weights) != len(names):
+        raise ValueError(
+            f"reward_weights={reward_weights!r} is not allowed: {len(reward_weights)} weights for {len(names)} "
+            f"reward functions ({', '.join(names)}); give one per function"
+        )

@@ -2,7 +2,7 @@
 
 A backend gets left-padded prompts (one row per completion to sample, the ``G`` rows of a prompt consecutive)
 and returns right-padded completions with their masks. Backends whose sampler differs from the trainer (vLLM)
-also return the sampler's per-token log-probs so the trainer can correct the mismatch (ALGORITHMS.md §5).
+also return the sampler's per-token log-probs so the trainer can correct the mismatch (docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ class SamplingParams:
 
 
 @dataclass
-class RolloutBatch:
+class Generation:
+    """What a backend returns for a batch of prompts (before scoring; see ``grpokit.batch.RolloutBatch`` for the
+    scored batch the trainer trains on)."""
+
     completion_ids: torch.Tensor
     """(N, C) sampled tokens, right-padded with the pad id after the first EOS (the EOS itself is kept)."""
     completion_mask: torch.Tensor
@@ -49,7 +52,7 @@ class RolloutBackend(Protocol):
 
     def generate(
         self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
-    ) -> RolloutBatch: ...
+    ) -> Generation: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Called after every optimizer step; a backend holding its own copy of the weights refreshes it."""

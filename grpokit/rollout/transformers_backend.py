@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
-from .base import RolloutBatch, SamplingParams, completion_mask_from_eos
+from ..prefix import accepts_cache, encode_once_per_group, group_size
+from .base import Generation, SamplingParams, completion_mask_from_eos
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
@@ -29,36 +30,6 @@ def _merge_lora(model: torch.nn.Module) -> bool:
     return False
 
 
-def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-    """``G`` when the rows are whole groups of ``G`` identical consecutive prompts (how the trainer sends them),
-    else 1."""
-    n = prompt_ids.shape[0]
-    if n < 2:
-        return 1
-    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)
-    breaks = (~same).nonzero().flatten().tolist()
-    g = breaks[0] + 1 if breaks else n
-    if g < 2 or n % g:
-        return 1
-    expected = [i * g - 1 for i in range(1, n // g)]
-    return g if breaks == expected else 1
-
-
-def _shared_prefix_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, g: int):
-    """Prefill each distinct prompt once, all but its last token, and repeat its KV cache for the ``g`` rows of
-    its group: ``generate`` then only runs the last prompt token of every row before it samples."""
-    from transformers import DynamicCache
-
-    from ..logprobs import position_ids_from_mask
-
-    uniq_ids, uniq_mask = ids[::g, :-1], mask[::g, :-1]
-    cache = DynamicCache(config=model.config)
-    model(input_ids=uniq_ids, attention_mask=uniq_mask, position_ids=position_ids_from_mask(uniq_mask),
-          cache=cache, use_cache=True, logits_to_keep=1)
-    cache.batch_repeat_interleave(g)
-    return cache
-
-
 def _can_share(model: torch.nn.Module, config: GenerationConfig, prompt_len: int) -> bool:
     if prompt_len < 2 or getattr(config, "cache_implementation", None) not in (None, "dynamic"):
         return False
@@ -67,13 +38,7 @@ def _can_share(model: torch.nn.Module, config: GenerationConfig, prompt_len: int
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "is_encoder_decoder", False):
         return False
-    import inspect
-
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "cache" in params and "logits_to_keep" in params
+    return accepts_cache(model, "logits_to_keep")
 
 
 class TransformersRollout:
@@ -115,7 +80,7 @@ class TransformersRollout:
     @torch.no_grad()
     def generate(
         self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
-    ) -> RolloutBatch:
+    ) -> Generation:
         config = self.generation_config(model, params)
         was_training = model.training
         model.eval()
@@ -129,8 +94,8 @@ class TransformersRollout:
                 ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
                 kwargs = {"synced_gpus": params.lockstep}  # explicit: transformers' own test misses accelerate's FSDP2
                 g = group_size(ids, mask) if share else 1
-                if g > 1:
-                    kwargs["cache"] = _shared_prefix_cache(model, ids, mask, g)
+                if g > 1:  # prefill each prompt once, all but its last token: generate then runs that one per row
+                    kwargs["cache"], _ = encode_once_per_group(model, ids[:, :-1], mask[:, :-1], g)
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
                 chunks.append(out[:, ids.shape[1]:])
         finally:
@@ -144,7 +109,7 @@ class TransformersRollout:
         )
         mask, truncated = completion_mask_from_eos(completion_ids, config.eos_token_id)
         completion_ids = completion_ids.masked_fill(mask == 0, pad)
-        return RolloutBatch(completion_ids=completion_ids, completion_mask=mask, is_truncated=truncated)
+        return Generation(completion_ids=completion_ids, completion_mask=mask, is_truncated=truncated)
 
     def sync_weights(self, model: torch.nn.Module) -> None:  # the sampler is the trainer's model itself
         return None

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .base import RolloutBatch, SamplingParams
+from .base import Generation, SamplingParams
 
 
 def _world_size() -> int:
@@ -53,7 +53,7 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
 
 def pad_rollouts(
     completions: list[list[int]], logps: list[list[float]], truncated: list[bool], pad_id: int
-) -> RolloutBatch:
+) -> Generation:
     """Lists from an engine → right-padded tensors with a mask (every produced token counts, the EOS included)."""
     n = len(completions)
     width = max((len(c) for c in completions), default=0)
@@ -66,7 +66,7 @@ def pad_rollouts(
         ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
         mask[i, :len(c)] = 1
         lp[i, :len(c)] = torch.tensor(l, dtype=torch.float32)
-    return RolloutBatch(ids, mask, torch.tensor(truncated, dtype=torch.bool), lp)
+    return Generation(ids, mask, torch.tensor(truncated, dtype=torch.bool), lp)
 
 
 @contextmanager
@@ -147,7 +147,7 @@ class VLLMRollout:
         client.init_communicator()
         return client
 
-    def generate(self, model, prompt_ids, prompt_mask, params: SamplingParams) -> RolloutBatch:
+    def generate(self, model, prompt_ids, prompt_mask, params: SamplingParams) -> Generation:
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         kwargs = vllm_sampling_kwargs(params)
         if self.mode == "colocate":

@@ -6,9 +6,17 @@ import math
 
 import torch
 
-from grpokit.algorithms import policy_loss
+from grpokit.algorithms import LOSSES, policy_loss
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "gmpo")
+LOSS_TYPES = tuple(LOSSES)
+"""Every registered loss: the generic properties (gradients, masks, aggregation, extreme inputs) are tested for
+each, so a new loss module gets them without touching this folder."""
+REFERENCE_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "gmpo")
+"""The losses restated in plain Python by ``_pyref.py`` (and in tests/reference/): checked value by value. A loss
+added later brings its own hand-computed tests (e.g. test_clip_cov.py)."""
+BATCH_INDEPENDENT = tuple(name for name in LOSS_TYPES if not LOSSES[name].batch_dependent)
+"""Losses whose per-token term does not depend on the other rows of the micro-batch (splitting invariance holds)."""
+CLOSED_FORM_LOSSES = tuple(name for name in LOSS_TYPES if LOSSES[name].closed_form is not None)
 LEVELS = ("token", "sequence", "sequence_token")
 CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit.algorithms import policy_loss
+from grpokit.algorithms import LOSSES, policy_loss
 
-from ._common import LEVELS, LOSS_TYPES, assert_close, assert_grid_close, make_case
+from ._common import BATCH_INDEPENDENT, LEVELS, assert_close, assert_grid_close, make_case
 
 F64 = torch.float64
-GLOBAL = ("dapo", "cispo", "vespo")
+GLOBAL = tuple(n for n in BATCH_INDEPENDENT if LOSSES[n].aggregation == "global_token_mean")
 
 
 def _full_kw(case):
@@ -57,7 +57,7 @@ def _equal_token_mask(B, T, g):
 
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", BATCH_INDEPENDENT)
 def test_gradient_accumulation_sum_equals_one_batch(loss_type, level, k):
     B, T = 8, 6
     case = make_case(seed=100 + k, B=B, T=T, sigma=0.3)
@@ -135,7 +135,7 @@ def test_bnpo_is_local_on_unequal_token_counts():
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", BATCH_INDEPENDENT)
 def test_ddp_mean_of_rank_gradients_equals_single_process(loss_type, level):
     # Two ranks, half the rows each. DDP all-reduces the *mean* of the ranks' gradients; the loss a run logs is
     # the mean over ranks too. With num_processes=2 and N over both ranks this equals the one-process value.
@@ -167,7 +167,7 @@ def test_ddp_mean_of_rank_gradients_equals_single_process(loss_type, level):
     assert_grid_close(grad, whole_grad, rel=1e-10, abs_=1e-14)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", BATCH_INDEPENDENT)
 def test_ddp_with_gradient_accumulation(loss_type):
     # P = 2 ranks × GA = 2 micro-batches each, spg = 2: still the one-batch, one-process loss.
     B, T = 8, 4

@@ -9,6 +9,7 @@ import torch
 
 from grpokit.algorithms import (
     LOSS_TYPES,
+    LOSSES,
     aggregate_loss,
     compute_advantages,
     overlong_penalty,
@@ -32,7 +33,8 @@ def test_unknown_loss_type_names_value_and_allowed():
     assert "loss_type" in msg and "'ppo'" in msg
     for name in LOSS_TYPES:
         assert name in msg
-    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "gmpo"}
+    assert {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "gmpo", "clip_cov",
+            "kl_cov"} <= set(LOSS_TYPES)
 
 
 def test_unknown_level_names_value_and_allowed():
@@ -75,10 +77,10 @@ def test_sequence_level_sampler_ratio_rejected_for_vespo():
     with pytest.raises(ValueError) as e:
         policy_loss(lp, old, A, m, loss_type="vespo", sampler_ratio=torch.ones(2, 1, dtype=F64))
     msg = str(e.value)
-    assert "sampler_ratio" in msg and "(2, 1)" in msg and "VESPO" in msg and "token" in msg
+    assert "sampler_ratio" in msg and "(2, 1)" in msg and "'vespo'" in msg and "token" in msg
     # the same (B, 1) ratio is fine for every other loss, and a token-level one is fine for VESPO
     for loss_type in LOSS_TYPES:
-        if loss_type != "vespo":
+        if LOSSES[loss_type].sampler_ratio != "fold":
             policy_loss(lp, old, A, m, loss_type=loss_type, sampler_ratio=torch.ones(2, 1, dtype=F64))
     policy_loss(lp, old, A, m, loss_type="vespo", sampler_ratio=torch.ones(2, 3, dtype=F64))
 
@@ -106,7 +108,7 @@ def test_top_entropy_quantile_needs_entropies():
 
 
 def test_aggregate_loss_unknown_type():
-    with pytest.raises(ValueError, match=r"loss_type='nope'.*dapo"):
+    with pytest.raises(ValueError, match=r"aggregation='nope'.*global_token_mean.*dapo"):
         aggregate_loss(torch.zeros(2, 3), torch.ones(2, 3), "nope")
 
 

@@ -14,7 +14,7 @@ import torch
 from grpokit.algorithms import LossContext, policy_loss, vespo_weights
 
 from . import _pyref
-from ._common import LEVELS, LOSS_TYPES, assert_close, assert_grid_close, make_case, run_ours, tolist
+from ._common import LEVELS, REFERENCE_LOSSES, assert_close, assert_grid_close, make_case, run_ours, tolist
 
 LN = math.log
 F64 = torch.float64
@@ -64,7 +64,7 @@ def _resolve(case, opts):
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", REFERENCE_LOSSES)
 def test_matches_plain_python_reference(loss_type, level, option):
     if option == "rho_seq" and loss_type == "vespo":
         pytest.skip("a sequence-level sampler ratio is rejected for VESPO (tested in test_errors.py)")
@@ -216,10 +216,10 @@ def test_cispo_by_hand():
 def test_cispo_default_cap_is_logged_once(caplog, monkeypatch):
     import logging
 
-    from grpokit.algorithms import policy as policy_module
     from grpokit.algorithms import resolve_epsilon_high
+    from grpokit.algorithms import settings as settings_module
 
-    monkeypatch.setattr(policy_module, "_said_once", set())
+    monkeypatch.setattr(settings_module, "_said_once", set())
     with caplog.at_level(logging.WARNING, logger="grpokit"):
         for _ in range(3):
             loss_of([[-1.0]], [[-1.0]], [1.0], [[1]], loss_type="cispo")

@@ -98,6 +98,8 @@ def test_loss_and_gradient_are_always_finite(loss_type, b, level):
 @SETTINGS
 @given(b=batches(), level=st.sampled_from(LEVELS))
 def test_zero_advantages_leave_only_the_kl_term(loss_type, b, level):
+    if loss_type == "kl_cov":
+        pytest.skip("KL-Cov's |log-ratio| penalty is itself a KL-like term, independent of A (test_cov_losses.py)")
     b["A"] = torch.zeros_like(b["A"])
     b["extras"].pop("beta", None)
     b["extras"].pop("ref_logps", None)
@@ -121,11 +123,11 @@ def test_masked_tokens_and_padding_are_inert(loss_type, seed, level, pad, junk):
     A = torch.randn(B, generator=g, dtype=torch.float64)
     kw = dict(loss_type=loss_type, importance_sampling_level=level, max_completion_length=10, num_items_in_batch=9)
     x1 = lp.clone().requires_grad_(True)
-    l1 = policy_loss(x1, old, A, m, **kw).loss
+    l1 = policy_loss(x1, old, A, m, generator=torch.Generator().manual_seed(0), **kw).loss
     l1.backward()
     padded = lambda t, v: torch.cat([t, torch.full((B, pad), v, dtype=t.dtype)], dim=1)  # noqa: E731
     x2 = padded(lp, junk).requires_grad_(True)
-    l2 = policy_loss(x2, padded(old, -3.0), A, padded(m, 0.0), **kw).loss
+    l2 = policy_loss(x2, padded(old, -3.0), A, padded(m, 0.0), generator=torch.Generator().manual_seed(0), **kw).loss
     l2.backward()
     assert torch.allclose(l1, l2, rtol=1e-12, atol=1e-15)
     assert torch.allclose(x1.grad, x2.grad[:, :T], rtol=1e-12, atol=1e-15)
@@ -141,9 +143,11 @@ def test_loss_scales_as_one_over_gradient_accumulation(loss_type, seed, level, g
     lp = old + torch.randn(2, 3, generator=g, dtype=torch.float64) * 0.2
     A = torch.randn(2, generator=g, dtype=torch.float64)
     m = torch.ones(2, 3, dtype=torch.float64)
-    base = policy_loss(lp, old, A, m, loss_type=loss_type, importance_sampling_level=level).loss
+    base = policy_loss(lp, old, A, m, loss_type=loss_type, importance_sampling_level=level,
+                       generator=torch.Generator().manual_seed(0)).loss
     scaled = policy_loss(lp, old, A, m, loss_type=loss_type, importance_sampling_level=level,
-                         gradient_accumulation_steps=ga, steps_per_generation=1, num_items_in_batch=6).loss
+                         gradient_accumulation_steps=ga, steps_per_generation=1, num_items_in_batch=6,
+                         generator=torch.Generator().manual_seed(0)).loss
     assert torch.allclose(scaled * ga, base, rtol=1e-12, atol=1e-15)
 
 

@@ -33,10 +33,10 @@ def test_policy_loss_reference_vector(vec):
 
 
 def test_every_loss_type_and_level_has_a_vector():
-    from ._common import LEVELS, LOSS_TYPES
+    from ._common import LEVELS, REFERENCE_LOSSES
 
     seen = {(v["loss_type"], v["level"]) for v in DATA["vectors"]}
-    assert seen == {(lt, lv) for lt in LOSS_TYPES for lv in LEVELS}
+    assert seen == {(lt, lv) for lt in REFERENCE_LOSSES for lv in LEVELS}
     assert sum("trl-1.16.0" in v["checked_against"] for v in DATA["vectors"]) >= 20
 
 

@@ -33,7 +33,7 @@ from datasets import Dataset  # noqa: E402
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 from grpokit.config import GRPOConfig  # noqa: E402
-from grpokit.rollout.base import RolloutBatch, completion_mask_from_eos  # noqa: E402
+from grpokit.rollout.base import Generation, completion_mask_from_eos  # noqa: E402
 from grpokit.sharding import full_weights, sharding_kind  # noqa: E402
 from grpokit.trainer import GRPOTrainer  # noqa: E402
 
@@ -70,7 +70,7 @@ class GlobalRowRollout:
         self.calls += 1
         ids = torch.stack(rows)
         mask, truncated = completion_mask_from_eos(ids, [self.tokenizer.eos_token_id])
-        return RolloutBatch(ids.masked_fill(mask == 0, self.tokenizer.pad_token_id), mask, truncated)
+        return Generation(ids.masked_fill(mask == 0, self.tokenizer.pad_token_id), mask, truncated)
 
     def sync_weights(self, model):
         pass

@@ -17,7 +17,8 @@ import yaml
 from reliability_helpers import chat_dataset, make_trainer, params_of
 from transformers import TrainerCallback
 
-from grpokit.checkpoints import GracefulInterrupt, latest_checkpoint, verify_checkpoint
+from grpokit.callbacks import GracefulInterrupt
+from grpokit.checkpoints import latest_checkpoint, verify_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 

@@ -76,7 +76,7 @@ def test_resume_reads_torch_files_only_with_weights_only(tmp_path, monkeypatch):
 
 
 def test_reward_models_load_from_safetensors_without_remote_code(monkeypatch):
-    from grpokit.trainer import _lookup_reward
+    from grpokit.rewards import resolve_reward_funcs
 
     seen = {}
 
@@ -86,7 +86,7 @@ def test_reward_models_load_from_safetensors_without_remote_code(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", capture)
     with pytest.raises(OSError):
-        _lookup_reward("org/reward-model")
+        resolve_reward_funcs("org/reward-model")
     assert seen["use_safetensors"] is True and seen["trust_remote_code"] is False
 
 

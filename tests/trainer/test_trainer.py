@@ -219,9 +219,9 @@ def test_sampler_logps_apply_the_mismatch_correction(tmp_path):
     trainer = GRPOTrainer(tiny_model(tok), varied_reward, args=args, train_dataset=chat_dataset(),
                           processing_class=tok, rollout_backend=rollout)
     batch = trainer._generate_and_score([trainer.train_dataset[0]] * 4, mode="train")
-    assert batch["old_logps"] is not None and batch["sampler_ratio"] is not None
-    assert batch["sampler_ratio"].shape == batch["completion_ids"].shape
-    assert (batch["sampler_ratio"] <= 3.0).all()
+    assert batch.old_logps is not None and batch.sampler_ratio is not None
+    assert batch.sampler_ratio.shape == batch.completion_ids.shape
+    assert (batch.sampler_ratio <= 3.0).all()
     trainer.train()
     assert rollout.synced == 1  # synced once: before the second generation, after the first optimizer step
 
@@ -245,7 +245,7 @@ def test_bad_inputs_are_named(tmp_path):
     with pytest.raises(ValueError, match="'prompt' column"):
         GRPOTrainer(tiny_model(tok), varied_reward, args=args, train_dataset=Dataset.from_dict({"text": ["a"]}),
                     processing_class=tok)
-    with pytest.raises(ValueError, match="reward_weights has 2 values for 1"):
+    with pytest.raises(ValueError, match=r"reward_weights=\[1.0, 2.0\] is not allowed: 2 weights for 1"):
         GRPOTrainer(tiny_model(tok), varied_reward, args=make_args(tmp_path, reward_weights=[1.0, 2.0]),
                     train_dataset=chat_dataset(), processing_class=tok)
 

@@ -1,0 +1,125 @@
+"""The typed rollout batch: what flows from generation and scoring to the loss, and into a checkpoint.
+
+:class:`RolloutBatch` holds one scored generation batch, or one micro-batch of it (rows in groups of
+``num_generations``). :class:`RolloutBuffer` holds the micro-batches of the generation batch being trained on and
+where the trainer stands in its schedule (``steps_per_generation × num_iterations`` micro-steps per generation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """A scored generation batch (or micro-batch): left-padded prompts, right-padded completions, one advantage per
+    row, and the log-probs the loss may need."""
+
+    prompt_ids: torch.Tensor
+    """(N, P) prompt tokens, left-padded."""
+    prompt_mask: torch.Tensor
+    """(N, P) 1 for prompt tokens, 0 for padding."""
+    completion_ids: torch.Tensor
+    """(N, C) completion tokens, right-padded."""
+    completion_mask: torch.Tensor
+    """(N, C) 1 for the tokens the loss counts (the model's own, up to and including EOS; 0 for padding, for tokens
+    the model did not generate such as tool results, and for rows ``mask_truncated_completions`` removes)."""
+    advantages: torch.Tensor
+    """(N,) one advantage per completion."""
+    num_items_in_batch: torch.Tensor
+    """() loss tokens of the whole generation batch on all ranks (the ``global_token_mean`` normaliser)."""
+    old_logps: torch.Tensor | None = None
+    """(N, C) log-probs under the policy that generated the batch, when data is reused or the sampler differs."""
+    ref_logps: torch.Tensor | None = None
+    """(N, C) log-probs under the reference model (``beta != 0``)."""
+    sampler_logps: torch.Tensor | None = None
+    """(N, C) the rollout engine's own log-probs (vLLM)."""
+    sampler_ratio: torch.Tensor | None = None
+    """(N, C) or (N, 1) the engine/trainer mismatch ratio ``ρ``."""
+
+    def __len__(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that are set, by name."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def select(self, rows: slice | torch.Tensor) -> RolloutBatch:
+        """The rows ``rows`` (a slice or index tensor); batch-wide values (0-dim) are kept."""
+        return RolloutBatch(**{k: (v[rows] if v.dim() > 0 else v) for k, v in self.tensors().items()})
+
+    def split(self, parts: int) -> list[RolloutBatch]:
+        """``parts`` micro-batches of equal size, in order."""
+        n = len(self)
+        if parts < 1 or n % parts:
+            raise ValueError(f"generation batch of {n} rows does not split into steps_per_generation={parts} "
+                             "micro-batches")
+        size = n // parts
+        return [self.select(slice(p * size, (p + 1) * size)) for p in range(parts)]
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        return RolloutBatch(**{k: v.to(device) for k, v in self.tensors().items()})
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RolloutBatch:
+        """The inverse of :meth:`tensors`; unknown names are an error (a checkpoint from another version)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(tensors) - known
+        if unknown:
+            raise ValueError(f"rollout tensors {sorted(unknown)} are not fields of RolloutBatch ({sorted(known)})")
+        return cls(**tensors)
+
+
+class RolloutBuffer:
+    """The micro-batches of the current generation batch, and the trainer's micro-step counter.
+
+    A generation batch is generated on micro-steps ``0, every, 2·every, ...`` (``every = steps_per_generation ×
+    num_iterations``) and its ``steps_per_generation`` micro-batches are served in turn until the next one.
+    """
+
+    def __init__(self, steps_per_generation: int, generate_every: int):
+        self.steps_per_generation = steps_per_generation
+        self.generate_every = generate_every
+        self.parts: list[RolloutBatch] = []
+        self.micro_step = 0
+
+    def reset(self, micro_step: int) -> None:
+        """Start (or restart after a resume) at ``micro_step`` with nothing buffered."""
+        self.parts = []
+        self.micro_step = micro_step
+
+    def needs_generation(self) -> bool:
+        return self.micro_step % self.generate_every == 0 or not self.parts
+
+    def mid_generation(self) -> bool:
+        """True when micro-batches of the current generation batch are still to be served (a checkpoint taken now
+        must hold them to resume exactly)."""
+        return bool(self.parts) and self.micro_step % self.generate_every != 0
+
+    def fill(self, batch: RolloutBatch) -> None:
+        self.parts = batch.split(self.steps_per_generation)
+
+    def next(self) -> RolloutBatch:
+        part = self.parts[self.micro_step % self.steps_per_generation]
+        self.micro_step += 1
+        return part
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Tensors (``"<part>/<field>"``) and metadata for a safetensors file."""
+        tensors = {}
+        for i, part in enumerate(self.parts):
+            for key, value in part.tensors().items():
+                tensors[f"{i}/{key}"] = value.detach().to("cpu").clone()  # parts may share a tensor
+        return tensors, {"parts": str(len(self.parts)), "micro_step": str(self.micro_step)}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any],
+                        device: torch.device | str) -> None:
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(int(metadata.get("parts", "0")))]
+        for name, value in tensors.items():
+            i, key = name.split("/", 1)
+            parts[int(i)][key] = value.to(device)
+        self.parts = [RolloutBatch.from_tensors(p) for p in parts]

@@ -1,0 +1,15 @@
+"""Every ``TrainerCallback`` grpokit installs, in one place:
+
+- :mod:`.training`: :class:`TrainerHooks` (the trainer's own hooks into the loop) and :class:`TimeBudget`;
+- :mod:`.interrupt`: :class:`GracefulInterrupt` (SIGINT/SIGTERM → checkpoint and stop);
+- :mod:`.metrics_file`: :class:`MetricsJsonlCallback` (``metrics.jsonl``);
+- :mod:`.progress`: :class:`ProgressCallback` (the live bar and log lines) and :func:`format_log_line`.
+"""
+
+from .interrupt import GracefulInterrupt
+from .metrics_file import MetricsJsonlCallback
+from .progress import ProgressCallback, format_log_line
+from .training import TimeBudget, TrainerHooks
+
+__all__ = ["GracefulInterrupt", "MetricsJsonlCallback", "ProgressCallback", "TimeBudget", "TrainerHooks",
+           "format_log_line"]

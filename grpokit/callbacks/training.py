@@ -1,0 +1,54 @@
+"""The trainer's own hooks into transformers' training loop, and the time budget of a job."""
+
+from __future__ import annotations
+
+import time
+
+from transformers import TrainerCallback
+
+
+class TrainerHooks(TrainerCallback):
+    """Forwards the training loop's events to the GRPO trainer, which changes its own state in its own methods:
+    the rollout schedule on (re)start, the non-finite-gradient guard before each optimizer step, and the wall time
+    of each optimizer step (generation included) as the ``step_time`` metric."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.start: float | None = None
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.trainer.begin_rollout_schedule(state)
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.trainer.guard_gradients(state)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.start is not None:
+            self.trainer.record_metric("step_time", time.perf_counter() - self.start)
+
+
+class TimeBudget(TrainerCallback):
+    """Stop training before ``seconds`` of training wall time are used up: after each optimizer step, stop when
+    another step as long as the slowest of the last few would overrun the budget."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.start: float | None = None
+        self.last: float | None = None
+        self.recent: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.start = self.last = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.start is None:
+            return control
+        now = time.perf_counter()
+        self.recent = (self.recent + [now - self.last])[-5:]
+        self.last = now
+        if now - self.start + max(self.recent) > self.seconds:
+            control.should_training_stop = True
+        return control

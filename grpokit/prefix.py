@@ -1,0 +1,64 @@
+"""Encoding each prompt once for its group: the ``G`` completions of a prompt share it, so generation and the
+training forward can encode it once and repeat its KV cache ``G`` times instead of encoding it ``G`` times.
+
+Used by the transformers rollout backend (prefill before sampling) and by :mod:`grpokit.logprobs` (the training
+forward). Also home of :func:`position_ids_from_mask`, the positions both must agree on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` computes them, so a training forward sees the same
+    positions the sampler saw."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """``G`` when the rows are whole groups of ``G`` identical consecutive prompts (how the trainer sends them),
+    else 1."""
+    n = prompt_ids.shape[0]
+    if n < 2:
+        return 1
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)
+    breaks = (~same).nonzero().flatten().tolist()
+    g = breaks[0] + 1 if breaks else n
+    if g < 2 or n % g:
+        return 1
+    expected = [i * g - 1 for i in range(1, n // g)]
+    return g if breaks == expected else 1
+
+
+def accepts_cache(model: torch.nn.Module, *also: str) -> bool:
+    """Whether the model's forward takes a ``cache`` argument (a transformers 5 causal LM), and the arguments
+    named in ``also``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in params for name in ("cache", *also))
+
+
+def encode_once_per_group(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g: int,
+    forward: Callable[[torch.Tensor, torch.Tensor, Any], Any] | None = None,
+) -> tuple[Any, Any]:
+    """Run ``forward(ids, mask, cache)`` over the distinct prompts (every ``g``-th row) into a fresh KV cache, then
+    repeat the cache ``g`` times (autograd sums the rows' gradients back onto the shared prompt). Returns
+    ``(cache, forward's output)``. The default forward predicts one token (``logits_to_keep=1``)."""
+    from transformers import DynamicCache
+
+    uniq_ids, uniq_mask = prompt_ids[::g], prompt_mask[::g]
+    cache = DynamicCache(config=model.config)
+    if forward is None:
+        out = model(input_ids=uniq_ids, attention_mask=uniq_mask, position_ids=position_ids_from_mask(uniq_mask),
+                    cache=cache, use_cache=True, logits_to_keep=1)
+    else:
+        out = forward(uniq_ids, uniq_mask, cache)
+    cache.batch_repeat_interleave(g)
+    return cache, out
