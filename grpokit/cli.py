@@ -39,7 +39,7 @@ DEMO_SPEC: dict[str, Any] = {
     "use_cpu": True,
 }
 """The demo: LoRA on the embedded SmolLM2-135M, the arithmetic task, ~6 s a step on a 2-core CPU
-(DEMO_NOTES.md: this recipe took greedy held-out accuracy from 1.6% to 71–75% with TRL in 10 minutes)."""
+(docs/demo.md: this recipe took greedy held-out accuracy from 1.6% to 71–75% with TRL in 10 minutes)."""
 
 
 def _parse_set(pairs: list[str]) -> dict[str, Any]:

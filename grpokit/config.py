@@ -147,7 +147,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     vllm_max_model_length: int | None = field(default=None, metadata=_meta("vLLM max_model_len."))
     vllm_tensor_parallel_size: int = field(default=1, metadata=_meta("vLLM tensor parallel size."))
     vllm_importance_sampling_correction: bool = field(
-        default=True, metadata=_meta("Correct the sampler/trainer mismatch (ALGORITHMS.md §5).")
+        default=True, metadata=_meta("Correct the sampler/trainer mismatch (docs/algorithms.md §5).")
     )
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask",

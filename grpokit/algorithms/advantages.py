@@ -1,5 +1,5 @@
 """Group-relative advantages, multi-reward aggregation, RLOO, DAPO's dynamic-sampling filter and overlong
-reward shaping (ALGORITHMS.md §7).
+reward shaping (docs/algorithms.md §7).
 
 Rows are ordered by group: the ``G = num_generations`` completions of one prompt are consecutive.
 ``NaN`` in a reward means "not applicable" and is skipped by every sum and mean.

@@ -41,22 +41,16 @@ class LossScale:
 
 
 def _kind(aggregation: str) -> str:
-    """An aggregation name; a ``loss_type`` name is also accepted (its spec's aggregation)."""
-    if aggregation in AGGREGATIONS:
-        return aggregation
-    from .losses import LOSSES  # the registry imports this module: resolve loss names lazily
-
-    spec = LOSSES.get(aggregation) if isinstance(aggregation, str) else None
-    if spec is None:
+    if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r} is not supported; allowed: {', '.join(AGGREGATIONS)} "
-                         f"(or a loss_type: {', '.join(LOSSES)})")
-    return spec.aggregation
+                         "(a loss's aggregation is LOSSES[loss_type].aggregation)")
+    return aggregation
 
 
 def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, aggregation: str,
                    scale: LossScale | None = None, **scale_fields) -> torch.Tensor:
     """Reduce ``ℓ`` (B, T) or (B, 1) to the scalar loss of one micro-batch (``aggregation``: a key of
-    :data:`AGGREGATIONS` or a ``loss_type``; ``scale`` or its fields as keywords):
+    :data:`AGGREGATIONS`; ``scale`` or its fields as keywords):
 
     - ``sequence_mean`` (GRPO): ``mean_i[Σ_t m·ℓ / max(1, Σ_t m)] / GA``.
     - ``token_mean`` (BNPO): ``Σ m·ℓ / max(1, Σ m) / GA``, the token mean of this micro-batch.

@@ -1,4 +1,4 @@
-"""KL penalty to the reference policy (ALGORITHMS.md §4)."""
+"""KL penalty to the reference policy (docs/algorithms.md §4)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 GPU; ``vllm_mode="server"`` talks to a ``trl vllm-serve`` server through TRL's own client.
 
 vLLM samples with its own kernels, so its log-probs differ slightly from the trainer's: the backend returns them
-(``sampler_logps``) and the trainer applies the mismatch correction of ALGORITHMS.md §5. After every optimizer
+(``sampler_logps``) and the trainer applies the mismatch correction of docs/algorithms.md §5. After every optimizer
 step the trainer calls :meth:`VLLMRollout.sync_weights`, which pushes the current weights (LoRA merged in).
 
 Both engines are optional: ``pip install grpokit[vllm]`` (and ``trl`` for server mode).

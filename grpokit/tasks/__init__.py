@@ -7,7 +7,7 @@
 
 Built-ins (see :func:`list_tasks`):
 
-* ``arithmetic``: ``What is 11 + 16?`` for a, b in 0..20, the demo task (docs/DEMO_NOTES.md).
+* ``arithmetic``: ``What is 11 + 16?`` for a, b in 0..20, the demo task (docs/demo.md).
 * ``word_problems``: one- and two-step arithmetic stories generated from the seed.
 * ``word_count``: "Describe {topic} in one sentence of exactly {n} words." (alias ``format``).
 

@@ -1,4 +1,4 @@
-"""``arithmetic``: small additions and subtractions, the task of the demo (docs/DEMO_NOTES.md)."""
+"""``arithmetic``: small additions and subtractions, the task of the demo (docs/demo.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ DESCRIPTION = (
     "negative): 651 distinct questions, shuffled by the seed, the first n_eval held out. The user turn "
     "is \"What is {a} {op} {b}? " + ANSWER_INSTRUCTION + "\". Rewards: correctness 1.0 when the number "
     "after the last 'Answer:' is right, format 0.2 when the reply ends with 'Answer: <number>'. "
-    "SmolLM2-135M-Instruct gets about 2% right greedily before training (docs/DEMO_NOTES.md)."
+    "SmolLM2-135M-Instruct gets about 2% right greedily before training (docs/demo.md)."
 )
 
 
@@ -24,7 +24,7 @@ def arithmetic_questions(max_operand: int = MAX_OPERAND) -> list[tuple[int, str,
     """Every question as ``(a, op, b, answer)``, in a fixed order, before shuffling.
 
     All sums ``a + b`` (a, b in 0..max_operand) and the differences ``a - b`` with ``a > b``: 441 + 210
-    = 651 for max_operand 20, the count docs/DEMO_NOTES.md gives. (Allowing ``a == b`` would add the
+    = 651 for max_operand 20, the count docs/demo.md gives. (Allowing ``a == b`` would add the
     21 questions ``x - x`` and give 672.)
     """
     questions = [(a, "+", b, a + b) for a in range(max_operand + 1) for b in range(max_operand + 1)]

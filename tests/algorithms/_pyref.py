@@ -1,10 +1,10 @@
-"""An independent plain-Python reading of ALGORITHMS.md §1–§6 (no torch, no grpokit), for the tests.
+"""An independent plain-Python reading of docs/algorithms.md §1–§6 (no torch, no grpokit), for the tests.
 
 Everything is lists of floats and the ``math`` module, written straight from the document's formulas so
 that a wrong formula in ``grpokit.algorithms`` cannot hide behind a shared helper.
 
 Stop-gradients: the reference takes two copies of the current log-probs, ``lp`` (the gradient path) and
-``lp_sg`` (every ``sg[...]`` of ALGORITHMS.md reads this one). They carry the same values; a central finite
+``lp_sg`` (every ``sg[...]`` of docs/algorithms.md reads this one). They carry the same values; a central finite
 difference in ``lp`` with ``lp_sg`` held fixed is then exactly the gradient autograd should give, including
 for CISPO's and VESPO's detached weights. See :func:`fd_grad`.
 """
@@ -40,7 +40,7 @@ def _row_mean(x: list[float], m: list[float]) -> float:
 
 
 def vespo_phi(d_row, m_row, a, rho_row=None, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
-    """φ = W^k e^{λ(1-W)} with W the *sum* of masked clamped log-ratios (ALGORITHMS.md §2.1)."""
+    """φ = W^k e^{λ(1-W)} with W the *sum* of masked clamped log-ratios (docs/algorithms.md §2 (VESPO))."""
     s = sum(m * clamp(d, -CLAMP, CLAMP) for d, m in zip(d_row, m_row))
     if rho_row is not None:
         s += sum(m * clamp(math.log(r) if r > 0 else -math.inf, LOG_1E8, CLAMP) for r, m in zip(rho_row, m_row))
@@ -61,7 +61,7 @@ def ref_policy_loss(
     vespo_lambda_neg=2.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, max_completion_length=None,
     num_items_in_batch=None, gradient_accumulation_steps=1, steps_per_generation=1, num_processes=1,
 ) -> float:
-    """The micro-batch loss of ALGORITHMS.md, for lists ``lp[B][T]`` etc. ``A`` is a list of B floats;
+    """The micro-batch loss of docs/algorithms.md, for lists ``lp[B][T]`` etc. ``A`` is a list of B floats;
     ``sampler_ratio`` is ``[B][T]`` or ``[B][1]``."""
     B = len(lp)
     T = len(lp[0]) if B else 0

@@ -1,4 +1,4 @@
-"""Family 7: advantages (ALGORITHMS.md §7), hand-computed with ``statistics`` / plain arithmetic."""
+"""Family 7: advantages (docs/algorithms.md §7), hand-computed with ``statistics`` / plain arithmetic."""
 
 from __future__ import annotations
 

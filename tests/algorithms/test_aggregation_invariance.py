@@ -1,5 +1,5 @@
 """Family 3: the sum over micro-batches of one optimizer step equals the loss of the same data in one batch
-(ALGORITHMS.md §3; TRL PR #6024 is where the references got this wrong), and the DDP mean over ranks equals one
+(docs/algorithms.md §3; TRL PR #6024 is where the references got this wrong), and the DDP mean over ranks equals one
 process.
 
 Which splits this holds for, by design:

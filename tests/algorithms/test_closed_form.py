@@ -97,14 +97,14 @@ def test_closed_form_equals_autograd_on_extreme_batches(loss_type, b, level):
     _assert_same(out, rel, rel * scale)
 
 
-@pytest.mark.parametrize("loss_type", AGGREGATIONS)
-def test_aggregation_weights_give_aggregate_loss(loss_type):
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_aggregation_weights_give_aggregate_loss(aggregation):
     case = make_case(seed=5, B=4, T=7)
     ell = torch.randn(4, 7, dtype=torch.float64)
     kw = dict(max_completion_length=11, num_items_in_batch=13.0, gradient_accumulation_steps=3,
               steps_per_generation=2, num_processes=2)
-    w = aggregation_weights(case["m"], loss_type, **kw)
-    assert (w * ell).sum().item() == pytest.approx(aggregate_loss(ell, case["m"], loss_type, **kw).item(), rel=1e-12)
+    w = aggregation_weights(case["m"], aggregation, **kw)
+    assert (w * ell).sum().item() == pytest.approx(aggregate_loss(ell, case["m"], aggregation, **kw).item(), rel=1e-12)
 
 
 def test_closed_form_engine_options():

@@ -1,4 +1,4 @@
-"""Family 1 (continued): the public helpers of ALGORITHMS.md §4–§6 on their own, by hand: the sampler/trainer
+"""Family 1 (continued): the public helpers of docs/algorithms.md §4–§6 on their own, by hand: the sampler/trainer
 mismatch ratio (§5), k3 KL (§4), the off-policy and high-entropy masks (§6), aggregation (§3)."""
 
 from __future__ import annotations
@@ -142,21 +142,21 @@ def test_high_entropy_mask_threshold_over_every_rank():
 def test_aggregate_loss_by_hand():
     ell = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     m = t([[1, 1, 0], [1, 1, 1]])
-    assert aggregate_loss(ell, m, "grpo").item() == pytest.approx((1.5 + 5.0) / 2)
-    assert aggregate_loss(ell, m, "sapo", gradient_accumulation_steps=2).item() == pytest.approx(6.5 / 4)
-    assert aggregate_loss(ell, m, "bnpo").item() == pytest.approx(18 / 5)
-    assert aggregate_loss(ell, m, "dr_grpo", max_completion_length=10).item() == pytest.approx(18 / 20)
-    assert aggregate_loss(ell, m, "dr_grpo").item() == pytest.approx(18 / 6)  # L defaults to T
-    assert aggregate_loss(ell, m, "dapo").item() == pytest.approx(18 / 5)
-    assert aggregate_loss(ell, m, "vespo", num_items_in_batch=30, num_processes=3, gradient_accumulation_steps=4,
-                          steps_per_generation=2).item() == pytest.approx(18 / (30 / 3 * 4 / 2))
-    assert aggregate_loss(ell, m, "luspo").item() == pytest.approx(18 / 2)
+    assert aggregate_loss(ell, m, "sequence_mean").item() == pytest.approx((1.5 + 5.0) / 2)
+    assert aggregate_loss(ell, m, "sequence_mean", gradient_accumulation_steps=2).item() == pytest.approx(6.5 / 4)
+    assert aggregate_loss(ell, m, "token_mean").item() == pytest.approx(18 / 5)
+    assert aggregate_loss(ell, m, "fixed_length", max_completion_length=10).item() == pytest.approx(18 / 20)
+    assert aggregate_loss(ell, m, "fixed_length").item() == pytest.approx(18 / 6)  # L defaults to T
+    assert aggregate_loss(ell, m, "global_token_mean").item() == pytest.approx(18 / 5)
+    assert aggregate_loss(ell, m, "global_token_mean", num_items_in_batch=30, num_processes=3,
+                          gradient_accumulation_steps=4, steps_per_generation=2).item() == pytest.approx(18 / (30 / 3 * 4 / 2))
+    assert aggregate_loss(ell, m, "sequence_sum").item() == pytest.approx(18 / 2)
     # one value per row (B, 1) broadcast over the valid tokens
     row = t([[2.0], [-1.0]])
-    assert aggregate_loss(row, m, "gmpo").item() == pytest.approx(0.5)
-    assert aggregate_loss(row, m, "luspo").item() == pytest.approx((4.0 - 3.0) / 2)
-    assert aggregate_loss(row, m, "cispo").item() == pytest.approx((4.0 - 3.0) / 5)
+    assert aggregate_loss(row, m, "sequence_mean").item() == pytest.approx(0.5)
+    assert aggregate_loss(row, m, "sequence_sum").item() == pytest.approx((4.0 - 3.0) / 2)
+    assert aggregate_loss(row, m, "global_token_mean").item() == pytest.approx((4.0 - 3.0) / 5)
     # empty micro-batch and all-masked rows give 0, never NaN
-    for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    for lt in ("sequence_mean", "token_mean", "fixed_length", "global_token_mean", "sequence_sum"):
         assert aggregate_loss(torch.zeros(0, 3, dtype=F64), torch.zeros(0, 3, dtype=F64), lt).item() == 0.0, lt
         assert aggregate_loss(ell, torch.zeros(2, 3, dtype=F64), lt).item() == 0.0, lt

@@ -1,5 +1,5 @@
 """Family 1: values worked out by hand (plain ``math``) for every loss type, level and option of
-ALGORITHMS.md §1–§6, and a sweep of every (loss_type, level, option) against the plain-Python reading in
+docs/algorithms.md §1–§6, and a sweep of every (loss_type, level, option) against the plain-Python reading in
 ``_pyref.py`` (value and finite-difference gradient).
 """
 

@@ -1,5 +1,5 @@
 """The hand-checked vectors in tests/reference/algorithm_vectors.json (expected values from the plain-Python
-reading of ALGORITHMS.md, cross-checked against TRL 1.16 where TRL computes the same thing). They need neither
+reading of docs/algorithms.md, cross-checked against TRL 1.16 where TRL computes the same thing). They need neither
 TRL nor hypothesis, so they guard the math in any environment."""
 
 from __future__ import annotations

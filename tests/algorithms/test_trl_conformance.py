@@ -1,7 +1,7 @@
 """Family 4: conformance with TRL 1.16's ``GRPOTrainer._compute_loss`` and advantage formula.
 
 TRL is called unbound on a stand-in ``self`` (see ``_trl_harness.py``), with float64 inputs, so the loss and
-d loss / d logps must agree to 1e-6 relative wherever ALGORITHMS.md follows TRL. Where it deliberately does not,
+d loss / d logps must agree to 1e-6 relative wherever docs/algorithms.md follows TRL. Where it deliberately does not,
 the test checks OUR documented behaviour instead (bottom of the file):
 - ``use_bias_correction_kl`` at sequence level: ours multiplies by the token-level ratio (TRL issue #6586);
 - CISPO with ``epsilon_high`` unset: ours caps at 5.0, TRL at ``epsilon`` (0.2);

@@ -1,6 +1,6 @@
 """Regenerate ``algorithm_vectors.json``: reference values of ``policy_loss`` for every loss type and level.
 
-Each vector's expected loss and gradient come from the plain-Python reading of ALGORITHMS.md in
+Each vector's expected loss and gradient come from the plain-Python reading of docs/algorithms.md in
 ``tests/algorithms/_pyref.py`` (value; gradient by central differences on the non-detached path). Where TRL 1.16
 computes the same thing (not gmpo, not sequence_token, not the bias-corrected KL at sequence level, CISPO with
 an explicit cap) the vector is also checked against ``GRPOTrainer._compute_loss`` to 1e-6 before it is written,
@@ -94,13 +94,13 @@ def main() -> None:
                     vec["checked_against"].append("trl-1.16.0")
                 vectors.append(vec)
     out = dict(
-        description="policy_loss reference vectors (ALGORITHMS.md §1-§6); regenerate with make_algorithm_vectors.py",
+        description="policy_loss reference vectors (docs/algorithms.md §1-§6); regenerate with make_algorithm_vectors.py",
         vespo_reference=dict(
             A=[1, 1, -1, -1, 0],
             d=[[0, 0, 0, 0], [.1, .1, .1, 0], [.1, .1, .1, 0], [-.5, -.5, 0, 0], [.2, .2, .2, .2]],
             mask=[[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]],
             phi=[1.000000, 0.637898, 1.221748, 0.176266, 0.125353],
-            source="ALGORITHMS.md §2.1 (TRL 1.16 get_gamma_weights)",
+            source="docs/algorithms.md §2 (VESPO) (TRL 1.16 get_gamma_weights)",
         ),
         vectors=vectors,
     )

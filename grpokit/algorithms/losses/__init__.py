@@ -20,6 +20,7 @@ from ._registry import (
     LossSpec,
     config_params,
     loss_spec,
+    loss_table_markdown,
     param,
     recipes,
     register_loss,
@@ -33,5 +34,5 @@ from .vespo import vespo_weights  # noqa: E402  (after the discovery loop: it is
 
 __all__ = [
     "EPSILON_MEANINGS", "LOSSES", "LOSS_TYPES", "SAMPLER_RATIO_RULES", "ClosedForm", "LossContext", "LossSpec",
-    "LossWeights", "config_params", "loss_spec", "param", "recipes", "register_loss", "vespo_weights",
+    "LossWeights", "config_params", "loss_spec", "loss_table_markdown", "param", "recipes", "register_loss", "vespo_weights",
 ]

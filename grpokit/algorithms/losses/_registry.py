@@ -197,3 +197,23 @@ def check_bounds(name: str, value: Any, f: dataclasses.Field) -> str | None:
         if b.get(key) is not None and not ok(value, b[key]):
             return f"must be {text} {b[key]}"
     return None
+
+
+def loss_table_markdown() -> str:
+    """The table of every registered loss for ``docs/algorithms.md`` (a test keeps the file in step with it)."""
+    from ..aggregation import AGGREGATIONS
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| loss_type | what it is | source | aggregation | ε / ε_high | own parameters (field = default) | "
+            "recipes (`--algo`) | in TRL 1.16 |", "|---|---|---|---|---|---|---|---|"]
+    for spec in LOSSES.values():
+        params = ", ".join(f"`{f.metadata['config']}`={f.default}" for f in spec.param_fields()) or "—"
+        eps = EPSILON_MEANINGS[spec.epsilon]
+        if spec.default_epsilon_high is not None:
+            eps += f" (ε_high default {spec.default_epsilon_high})"
+        rows.append(f"| `{spec.name}` | {cell(spec.summary)} | {cell(spec.reference)} | `{spec.aggregation}`: "
+                    f"{AGGREGATIONS[spec.aggregation]} | {eps} | {params} | "
+                    f"{', '.join(f'`{r}`' for r in spec.recipes) or '—'} | {'yes' if spec.in_trl else 'no'} |")
+    return "\n".join(rows)
