@@ -29,15 +29,11 @@ import logging
 import os
 import re
 import shutil
-import signal
 import struct
-import threading
 import zipfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
-
-import torch
 
 from .batch import RolloutBuffer
 from .callbacks.interrupt import GracefulInterrupt

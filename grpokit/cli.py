@@ -126,10 +126,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     from .evaluation import evaluate
+    from .job import JobError
     from .models import load_tokenizer
     from .tasks import get_task
-
-    from .job import JobError
 
     try:
         task = get_task(ns.task)

@@ -5,7 +5,8 @@ No math here: only which prompt rows are visited in which order, and how prompts
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler

@@ -238,105 +238,152 @@ def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = N
     ``resume``: a checkpoint directory, or ``"auto"`` for the latest checkpoint in ``output_dir`` (a fresh start
     when there is none). A SIGINT/SIGTERM during training saves a checkpoint and raises
     :class:`TrainingInterrupted`."""
-    import transformers
+    return _JobRun(spec, quiet=quiet, resume=resume).run()
 
-    from .checkpoints import CheckpointError, latest_checkpoint, resolve_resume
-    from .evaluation import evaluate
-    from .models import load_model, load_tokenizer
-    from .callbacks import MetricsJsonlCallback, ProgressCallback, TimeBudget
-    from .reporting import write_report
-    from .rewards import reward_func_name
-    from .sharding import full_weights, sharding_kind
-    from .trainer import GRPOTrainer
 
-    wall_start = time.perf_counter()
-    job, config, task, reward_funcs, lora, ev = prepare(spec)
-    main = config.process_index == 0  # under accelerate/torchrun every rank runs the job; one prints and writes
-    tell = say if main else _silent
-    try:
-        resume_path = resolve_resume(resume, config.output_dir)
-    except CheckpointError as e:
-        raise JobError(str(e)) from None
-    out = Path(config.output_dir)
-    if resume_path:
-        tell(quiet, f"resuming from {resume_path}")
-    elif resume is not None:
-        tell(quiet, f"no checkpoint in {out} yet: starting from scratch")
-    elif latest_checkpoint(out) is not None:
-        tell(quiet, f"note: {out} holds checkpoints up to {latest_checkpoint(out).name}; starting from scratch "
-                   "(--resume auto continues from the latest)")
-    out.mkdir(parents=True, exist_ok=True)
-    transformers.set_seed(config.seed)
+class _JobRun:
+    """The stages of :func:`run_job`, sharing what they need: validate, load, evaluate before, train, evaluate
+    after, report. Under accelerate/torchrun every rank runs the job; the main process prints and writes."""
 
-    try:
-        model = load_model(job["model"], trust_remote_code=config.trust_remote_code)
-        tokenizer = load_tokenizer(job["model"], trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError, ImportError) as e:
-        raise JobError(f"model {job['model']!r} could not be loaded: {e}") from None
-    eval_kwargs = dict(accuracy_reward=task.accuracy_reward, max_new_tokens=int(ev["max_new_tokens"]),
-                       greedy=bool(ev["greedy"]), temperature=config.temperature, n=int(ev["n"]),
-                       max_prompt_length=config.max_prompt_length, gather=config.ds3_gather_for_generation)
+    def __init__(self, spec: dict[str, Any], *, quiet: bool, resume: str | None):
+        self.wall_start = time.perf_counter()
+        self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev = prepare(spec)
+        self.quiet, self.resume = quiet, resume
+        self.main = self.config.process_index == 0
+        self.out = Path(self.config.output_dir)
 
-    # Accuracy is the task's own measure, scored even when the job trains on other rewards.
-    eval_funcs = list(reward_funcs)
-    if task.accuracy_reward not in [reward_func_name(f) for f in reward_funcs]:
-        eval_funcs += [f for f in task.reward_funcs if f.__name__ == task.accuracy_reward]
-    eval_before = samples_before = eval_after = samples_after = None
-    cached_before = out / "eval_before.json"
-    if ev["before"] and task.eval_dataset is not None and resume_path and cached_before.is_file():
-        eval_before, samples_before = json.loads(cached_before.read_text())  # measured by the interrupted run
-        tell(quiet, _eval_line("before (measured by the first run)", eval_before))
-    elif ev["before"] and task.eval_dataset is not None:
-        tell(quiet, f"evaluating the model before training on {min(ev['n'], len(task.eval_dataset))} held-out prompts")
+    def tell(self, message: str) -> None:
+        if self.main:
+            say(self.quiet, message)
+
+    def run(self) -> dict[str, Any]:
+        import transformers
+
+        resume_path = self._start()
+        transformers.set_seed(self.config.seed)
+        model, tokenizer = self._load()
+        eval_funcs = self._eval_funcs()
+        before = self._evaluate_before(model, tokenizer, eval_funcs, resume_path)
+        trainer, train_time = self._train(model, tokenizer, resume_path)
+        after = (None, None)
+        if self.ev["after"] and self.task.eval_dataset is not None:
+            self.tell("evaluating the trained model")
+            after = self._evaluate(trainer.model, tokenizer, eval_funcs)
+            self.tell(_eval_line("after", after[0]))
+        if not self.main:
+            return {"eval_before": before[0], "eval_after": after[0], "steps": trainer.state.global_step}
+        return self._report(trainer, before, after, train_time)
+
+    def _start(self) -> str | None:
+        """What to resume from, said in one line; the output directory made."""
+        from .checkpoints import CheckpointError, latest_checkpoint, resolve_resume
+
+        try:
+            resume_path = resolve_resume(self.resume, self.config.output_dir)
+        except CheckpointError as e:
+            raise JobError(str(e)) from None
+        if resume_path:
+            self.tell(f"resuming from {resume_path}")
+        elif self.resume is not None:
+            self.tell(f"no checkpoint in {self.out} yet: starting from scratch")
+        elif latest_checkpoint(self.out) is not None:
+            self.tell(f"note: {self.out} holds checkpoints up to {latest_checkpoint(self.out).name}; starting from "
+                      "scratch (--resume auto continues from the latest)")
+        self.out.mkdir(parents=True, exist_ok=True)
+        return resume_path
+
+    def _load(self):
+        from .models import load_model, load_tokenizer
+
+        name, trust = self.job["model"], self.config.trust_remote_code
+        try:
+            return load_model(name, trust_remote_code=trust), load_tokenizer(name, trust_remote_code=trust)
+        except (OSError, ValueError, ImportError) as e:
+            raise JobError(f"model {name!r} could not be loaded: {e}") from None
+
+    def _eval_funcs(self) -> list:
+        """The training rewards, plus the task's accuracy reward when training uses others: accuracy is the task's
+        own measure."""
+        from .rewards import reward_func_name
+
+        funcs = list(self.reward_funcs)
+        if self.task.accuracy_reward not in [reward_func_name(f) for f in funcs]:
+            funcs += [f for f in self.task.reward_funcs if f.__name__ == self.task.accuracy_reward]
+        return funcs
+
+    def _evaluate(self, model, tokenizer, eval_funcs):
+        from .evaluation import evaluate
+
+        ev, c = self.ev, self.config
+        return evaluate(model, tokenizer, self.task.eval_dataset, eval_funcs, accuracy_reward=self.task.accuracy_reward,
+                        max_new_tokens=int(ev["max_new_tokens"]), greedy=bool(ev["greedy"]), temperature=c.temperature,
+                        n=int(ev["n"]), max_prompt_length=c.max_prompt_length, gather=c.ds3_gather_for_generation)
+
+    def _evaluate_before(self, model, tokenizer, eval_funcs, resume_path):
+        """The held-out evaluation before training; a resumed run reads the one its first run measured."""
+        from .sharding import full_weights, sharding_kind
+
+        if not self.ev["before"] or self.task.eval_dataset is None:
+            return None, None
+        cached = self.out / "eval_before.json"
+        if resume_path and cached.is_file():
+            result = json.loads(cached.read_text())
+            self.tell(_eval_line("before (measured by the first run)", result[0]))
+            return tuple(result)
+        self.tell(f"evaluating the model before training on {min(self.ev['n'], len(self.task.eval_dataset))} "
+                  "held-out prompts")
         # With DeepSpeed's zero3_init_flag the model was loaded partitioned and is not in DeepSpeed's engine yet
         # (no hooks gather its layers): gather it whole for this evaluation.
         with full_weights(model) if sharding_kind(model) == "zero3" else contextlib.nullcontext():
-            eval_before, samples_before = evaluate(model, tokenizer, task.eval_dataset, eval_funcs, **eval_kwargs)
-        tell(quiet, _eval_line("before", eval_before))
-        if main:
-            atomic_write_text(cached_before, json.dumps(jsonable([eval_before, samples_before])))
+            result = self._evaluate(model, tokenizer, eval_funcs)
+        self.tell(_eval_line("before", result[0]))
+        if self.main:
+            atomic_write_text(cached, json.dumps(jsonable(list(result))))
+        return result
 
-    peft_config = lora_config(lora) if lora is not None else None
-    trainer = GRPOTrainer(model, reward_funcs, args=config, train_dataset=task.train_dataset,
-                          processing_class=tokenizer, peft_config=peft_config)
-    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
-    trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
-    trainer.add_callback(MetricsJsonlCallback(str(out)))
-    trainer.add_callback(ProgressCallback(quiet=quiet, time_budget_s=job.get("time_budget_s")))
-    if job.get("time_budget_s"):
-        trainer.add_callback(TimeBudget(float(job["time_budget_s"])))
-    train_start = time.perf_counter()
-    try:
-        trainer.train(resume_from_checkpoint=resume_path)
-    except CheckpointError as e:
-        raise JobError(str(e)) from None
-    train_time = time.perf_counter() - train_start
-    if trainer.interrupted:
-        checkpoint = trainer.interrupt_checkpoint
-        if checkpoint is None:  # the signal came after the last step: keep that state too
-            checkpoint = trainer.save_checkpoint()
-        raise TrainingInterrupted(trainer.interrupted, checkpoint, trainer.state.global_step)
-    trainer.save_model(str(out / "final"))
+    def _train(self, model, tokenizer, resume_path):
+        import transformers
 
-    if ev["after"] and task.eval_dataset is not None:
-        tell(quiet, "evaluating the trained model")
-        eval_after, samples_after = evaluate(trainer.model, tokenizer, task.eval_dataset, eval_funcs,
-                                               **eval_kwargs)
-        tell(quiet, _eval_line("after", eval_after))
+        from .callbacks import MetricsJsonlCallback, ProgressCallback, TimeBudget
+        from .checkpoints import CheckpointError
+        from .trainer import GRPOTrainer
 
-    if not main:
-        return {"eval_before": eval_before, "eval_after": eval_after, "steps": trainer.state.global_step}
-    cfg_dict = jsonable(config.to_dict())
-    cfg_dict.update(model=job["model"], task=job.get("task") or job.get("dataset"), lora=lora,
-                    steps=trainer.state.global_step)
-    write_report(str(out), config=cfg_dict, eval_before=eval_before, eval_after=eval_after,
-                 samples_before=samples_before, samples_after=samples_after,
-                 wall_time_s=time.perf_counter() - wall_start, train_time_s=train_time,
-                 extra={"task": task.name, "description": task.description,
-                        "distributed": _distributed_summary(trainer)})
-    report = json.loads((out / "report.json").read_text())
-    tell(quiet, f"report: {out / 'report.md'}")
-    return report
+        budget = self.job.get("time_budget_s")
+        trainer = GRPOTrainer(model, self.reward_funcs, args=self.config, train_dataset=self.task.train_dataset,
+                              processing_class=tokenizer,
+                              peft_config=lora_config(self.lora) if self.lora is not None else None)
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
+        trainer.add_callback(MetricsJsonlCallback(str(self.out)))
+        trainer.add_callback(ProgressCallback(quiet=self.quiet, time_budget_s=budget))
+        if budget:
+            trainer.add_callback(TimeBudget(float(budget)))
+        start = time.perf_counter()
+        try:
+            trainer.train(resume_from_checkpoint=resume_path)
+        except CheckpointError as e:
+            raise JobError(str(e)) from None
+        if trainer.interrupted:
+            checkpoint = trainer.interrupt_checkpoint
+            if checkpoint is None:  # the signal came after the last step: keep that state too
+                checkpoint = trainer.save_checkpoint()
+            raise TrainingInterrupted(trainer.interrupted, checkpoint, trainer.state.global_step)
+        trainer.save_model(str(self.out / "final"))
+        return trainer, time.perf_counter() - start
+
+    def _report(self, trainer, before, after, train_time: float) -> dict[str, Any]:
+        from .reporting import write_report
+
+        cfg = jsonable(self.config.to_dict())
+        cfg.update(model=self.job["model"], task=self.job.get("task") or self.job.get("dataset"), lora=self.lora,
+                   steps=trainer.state.global_step)
+        write_report(str(self.out), config=cfg, eval_before=before[0], eval_after=after[0],
+                     samples_before=before[1], samples_after=after[1],
+                     wall_time_s=time.perf_counter() - self.wall_start, train_time_s=train_time,
+                     extra={"task": self.task.name, "description": self.task.description,
+                            "distributed": _distributed_summary(trainer)})
+        self.tell(f"report: {self.out / 'report.md'}")
+        return json.loads((self.out / "report.json").read_text())
 
 
 def _eval_line(label: str, e: dict[str, Any]) -> str:
@@ -359,10 +406,6 @@ def _distributed_summary(trainer) -> dict[str, Any]:
     wrapped = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model
     return {"num_processes": acc.num_processes, "type": str(acc.distributed_type).split(".")[-1],
             "sharding": sharding_kind(wrapped), "zero_stage": getattr(ds, "zero_stage", None)}
-
-
-def _silent(quiet: bool, message: str) -> None:
-    return None
 
 
 def say(quiet: bool, message: str) -> None:

@@ -8,7 +8,8 @@ forward). Also home of :func:`position_ids_from_mask`, the positions both must a
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 MAX_VALUE_CHARS = 120
 """A value quoted in an error message is cut to this many characters (a multi-MB value must not flood the log)."""

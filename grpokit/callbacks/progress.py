@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 
 from ..reporting._util import fmt_duration, to_float
 
+
 def _num(logs: dict, key: str) -> float | None:
     v = to_float(logs.get(key)) if key in logs else None
     return v if v is not None and math.isfinite(v) else None
@@ -63,7 +64,7 @@ def _stdout_is_tty() -> bool:
         return False
 
 
-_LIVE_PROGRESSES: "weakref.WeakSet[ProgressCallback]" = weakref.WeakSet()
+_LIVE_PROGRESSES: weakref.WeakSet[ProgressCallback] = weakref.WeakSet()
 
 
 @atexit.register
@@ -94,8 +95,14 @@ class ProgressCallback(TrainerCallback):
     # -- bar management ---------------------------------------------------------------------------
     def _start_bar(self, state) -> None:
         from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._progress = Progress(
             TextColumn("[bold cyan]train"),

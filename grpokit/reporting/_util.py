@@ -8,8 +8,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 METRICS_FILENAME = "metrics.jsonl"
 

@@ -9,8 +9,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ._util import (METRICS_FILENAME, as_text, atomic_write_text, fmt_duration, jsonable, read_metrics,
-                    to_float, truncate)
+from ._util import (
+    METRICS_FILENAME,
+    as_text,
+    atomic_write_text,
+    fmt_duration,
+    jsonable,
+    read_metrics,
+    to_float,
+    truncate,
+)
 from .plots import make_plots
 from .stats import wilson_interval
 

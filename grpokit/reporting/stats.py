@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def wilson_interval(successes: int | float, n: int | float, z: float = 1.96) -> tuple[float, float]:

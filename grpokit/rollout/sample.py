@@ -3,13 +3,14 @@ held-out evaluation (tokenise → generate → decode → score)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..data import is_conversational, prompt_text, tokenize_prompts
-from ..scoring import score_completions
+from ..rewards.scoring import score_completions
 from .base import Generation
 
 

@@ -10,8 +10,9 @@ Both engines are optional: ``pip install grpokit[vllm]`` (and ``trl`` for server
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

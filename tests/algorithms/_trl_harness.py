@@ -12,7 +12,6 @@ import types
 from collections import defaultdict
 
 import torch
-
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 

@@ -7,9 +7,7 @@ import math
 import pytest
 import torch
 
-from grpokit.algorithms import policy_loss
-
-from grpokit.algorithms import LOSSES
+from grpokit.algorithms import LOSSES, policy_loss
 
 from ._common import CLIP_FAMILY, LEVELS, LOSS_TYPES, assert_close, assert_grid_close, make_case, run_ours
 

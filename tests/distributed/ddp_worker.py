@@ -122,9 +122,8 @@ class CpuFSDPTrainer(GRPOTrainer):
         super().create_accelerator_and_postprocess()
         from_launcher = FSDP_FROM_LAUNCHER
         if self.args.fsdp_plugin_args is not None or from_launcher:
-            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
             from accelerate.state import PartialState
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
             state = self.accelerator.state
             state.distributed_type = DistributedType.FSDP
@@ -190,12 +189,12 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
         advantages, completions = [], []
         original = trainer._generate_and_score
 
-        def recording(rows, mode):
+        def recording(rows, mode, trainer=trainer, original=original, advantages=advantages, completions=completions):
             # the same stream in every run, a resumed one included: seeded by rank and step
             torch.manual_seed(1234 + 100 * rank_and_world()[0] + trainer.state.global_step)
             batch = original(rows, mode)
-            advantages.append(batch["advantages"].detach().clone())
-            completions.append((batch["completion_ids"] * batch["completion_mask"]).detach().clone())
+            advantages.append(batch.advantages.detach().clone())
+            completions.append((batch.completion_ids * batch.completion_mask).detach().clone())
             return batch
 
         trainer._generate_and_score = recording

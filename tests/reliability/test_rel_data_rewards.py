@@ -13,7 +13,7 @@ from datasets import Dataset
 from reliability_helpers import LoadGuard, chat_dataset, make_args, make_trainer, params_of, tiny_tokenizer
 
 from grpokit.data import tokenize_prompts
-from grpokit.scoring import RewardFunctionError, score_completions
+from grpokit.rewards import RewardFunctionError, score_completions
 from grpokit.trainer import GRPOTrainer
 
 PROMPTS = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(4)]

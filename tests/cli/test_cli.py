@@ -90,7 +90,7 @@ def test_examples_parse_and_validate():
 
     from grpokit.job import prepare
 
-    root = Path(__file__).resolve().parents[1] / "examples"
+    root = Path(__file__).resolve().parents[2] / "examples"
     files = sorted(root.glob("*.yaml"))
     assert len(files) >= 7
     for f in files:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .data import is_conversational
-from .rewards import reward_func_name
+from ..data import is_conversational
+from .registry import reward_func_name
 
 
 def _snippet(x: Any, width: int = 80) -> str:

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.rollout.base import SamplingParams
 from grpokit.prefix import group_size
+from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.transformers_backend import TransformersRollout
 
 

@@ -1,0 +1,115 @@
+"""The shape of the code base: lint clean, no import cycle (lazy imports included), short functions, and docs that
+exist and match the code they describe."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "grpokit"
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every grpokit module ``name`` imports, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            candidates = [f"{target}.{a.name}" for a in node.names] + [target]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for c in candidates:
+            while c and c not in modules and "." in c:
+                c = c.rsplit(".", 1)[0]
+            if c in modules and c != name:
+                found.add(c)
+    return found
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # a package importing its own submodules (and they it) is how packages work; cycles between modules are not
+    def edges(name):
+        return {d for d in graph[name] if not (name.startswith(d + ".") and d in graph and name in graph[d])}
+
+    cycles, state = [], {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in sorted(edges(node)):
+            if state.get(nxt) == "open":
+                cycles.append(trail[trail.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_functions_are_short():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                reason = any("long function:" in line for line in lines[node.lineno - 1:node.end_lineno])
+                if n > MAX_FUNCTION_LINES and not reason:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, "functions over 80 lines without a '# long function: <reason>' comment: " + ", ".join(long)
+
+
+def test_lint():
+    pytest.importorskip("ruff")
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "grpokit", "tests",
+                          "benchmarks"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_loss_table_in_the_docs_is_the_registry_s():
+    from grpokit.algorithms.losses import loss_table_markdown
+
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    table = text.split("<!-- loss-table:start -->\n", 1)[1].split("\n<!-- loss-table:end -->", 1)[0]
+    assert table == loss_table_markdown(), (
+        "docs/algorithms.md's loss table is out of date; paste the output of: python -c \"from "
+        "grpokit.algorithms.losses import loss_table_markdown; print(loss_table_markdown())\"")
+
+
+def test_every_cited_document_exists_and_nothing_points_outside():
+    cited, outside = set(), []
+    sources = [ROOT / "README.md", *PACKAGE.rglob("*.py"), *(ROOT / "docs").glob("*.md")]
+    for path in sources:
+        text = path.read_text()
+        cited |= {m for m in re.findall(r"[\w./-]+\.md\b", text) if Path(m).name != "report.md"}
+        if "../shared" in text:
+            outside.append(str(path.relative_to(ROOT)))
+    missing = [c for c in sorted(cited) if not any(ROOT.glob(f"**/{Path(c).name}"))]
+    assert not missing, f"cited but not in the repository: {missing}"
+    assert not outside, f"pointing outside the repository: {outside}"
