@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .batch import RolloutBuffer
 from .callbacks.interrupt import GracefulInterrupt
+from .files import fsync_tree, publish_directory
 
 logger = logging.getLogger("grpokit")
 
@@ -228,49 +229,6 @@ def remove_partial_checkpoints(run_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def _fsync_tree(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _publish(tmp: str, final: str) -> None:
-    """Rename ``tmp`` to ``final`` in one step; an existing ``final`` (the same step saved again) is moved aside
-    first and deleted after."""
-    old = None
-    if os.path.exists(final):
-        old = f"{final}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    parent = os.path.dirname(final) or "."
-    try:
-        fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # -- the rollouts of a generation batch that straddles a checkpoint ----------------------------------------------
 def rollouts_file(directory: str | os.PathLike, process_index: int = 0, world_size: int = 1) -> str:
     name = ROLLOUTS_FILE if world_size <= 1 else ROLLOUTS_FILE.replace(".safetensors", f"_{process_index}.safetensors")
@@ -368,7 +326,7 @@ class CheckpointingMixin:
             args.output_dir, args.save_total_limit = run_dir, limit
         written = os.path.join(staging, name)
         if not args.save_only_model:
-            self._save_rollout_state(written)
+            self._save_trainer_state(written)
         best = self.state.best_model_checkpoint
         if best and best.startswith(staging):  # transformers recorded the staging path: record the final one
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
@@ -376,8 +334,8 @@ class CheckpointingMixin:
                 self.state.save_to_json(os.path.join(written, "trainer_state.json"))
         self.accelerator.wait_for_everyone()
         if args.should_save:
-            _fsync_tree(written)
-            _publish(written, final)
+            fsync_tree(written)
+            publish_directory(written, final)
             shutil.rmtree(staging, ignore_errors=True)
             from transformers.trainer_utils import rotate_checkpoints
 

@@ -37,13 +37,11 @@ CHOICE_FIELDS: dict[str, Any] = {
 # TRL fields whose feature grpokit does not implement yet: setting them away from the default is an error
 # rather than a silent no-op. (field -> default)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "use_adaptive_entropy": False,
     "max_tool_calling_iterations": None,
     "use_transformers_continuous_batching": False,
     "use_transformers_paged": False,
     "log_completions_hub_repo": None,
     "vllm_structured_outputs_regex": None,
-    "router_aux_loss_coef": None,
     "sync_ref_model": False,
     "cast_lm_head_to_fp32": False,
     "log_unique_prompts": False,
@@ -94,7 +92,9 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=None, metadata=_meta("Keyword arguments for from_pretrained when `model` is a string.")
     )
     trust_remote_code: bool = field(default=False, metadata=_meta("Allow custom model code from the hub."))
-    router_aux_loss_coef: float | None = field(default=None, metadata=_meta("MoE router loss (not supported yet)."))
+    router_aux_loss_coef: float | None = field(
+        default=None, metadata=_meta("MoE load-balancing loss coefficient (None: the model config's; 0: off).")
+    )
     disable_dropout: bool = field(default=False, metadata=_meta("Set every dropout probability to 0."))
     cast_lm_head_to_fp32: bool = field(default=False, metadata=_meta("Compute the LM head in float32."))
 
@@ -193,7 +193,9 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=1.0, metadata=_meta("Train only on the top-ρ fraction of tokens by entropy, in (0, 1].")
     )
     entropy_coef: float = field(default=0.0, metadata=_meta("Entropy bonus coefficient (loss -= coef·H)."))
-    use_adaptive_entropy: bool = field(default=False, metadata=_meta("Not supported yet."))
+    use_adaptive_entropy: bool = field(
+        default=False, metadata=_meta("Adapt entropy_coef to keep the entropy above entropy_target (Skywork-OR1).")
+    )
     entropy_coef_min: float = field(default=0.0, metadata=_meta("Adaptive entropy: minimum coefficient."))
     entropy_coef_max: float = field(default=1.0, metadata=_meta("Adaptive entropy: maximum coefficient."))
     entropy_coef_delta: float = field(default=0.005, metadata=_meta("Adaptive entropy: step."))
@@ -331,6 +333,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("top_entropy_quantile", 0, 1, lo_open=True)
         check.number("off_policy_mask_threshold", 0, optional=True)
         check.number("entropy_coef", 0)
+        check.number("entropy_coef_delta", 0)
+        check.number("entropy_target", 0)
+        check.number("entropy_coef_min", 0)
+        check.number("entropy_coef_max", self.entropy_coef_min)
+        check.number("router_aux_loss_coef", 0, optional=True)
         check.number("ref_model_mixup_alpha", 0, 1)
         check.number("ref_model_sync_steps", 1, integer=True)
         for name, (_, f) in config_params().items():

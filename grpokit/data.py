@@ -64,6 +64,46 @@ class GroupRepeatSampler(Sampler[int]):
         return (self.num_prompts // self.prompts_per_batch) * self.prompts_per_batch * self.num_generations * self.repeats
 
 
+class GroupRepeatIterable(torch.utils.data.IterableDataset):
+    """:class:`GroupRepeatSampler`'s order for a dataset read as a stream (an ``IterableDataset``, no ``len()``):
+    each block of ``prompts_per_batch`` rows is yielded with every row ``num_generations`` times consecutively, the
+    whole block ``repeats`` times; a trailing partial block is dropped. ``shuffle`` uses the stream's own buffered
+    ``shuffle(seed=seed + epoch)`` when it has one (🤗 datasets). Under several processes accelerate gives each
+    process its slice of every block, as it does with the sampler's batches."""
+
+    def __init__(self, dataset, num_generations: int, prompts_per_batch: int, repeats: int = 1, shuffle: bool = True,
+                 seed: int = 0):
+        self.dataset = dataset
+        self.num_generations = num_generations
+        self.prompts_per_batch = prompts_per_batch
+        self.repeats = repeats
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict]:
+        stream = self.dataset
+        if self.shuffle and hasattr(stream, "shuffle"):
+            stream = stream.shuffle(seed=self.seed + self.epoch)
+        block: list[dict] = []
+        for row in stream:
+            block.append(row)
+            if len(block) == self.prompts_per_batch:
+                for _ in range(self.repeats):
+                    for r in block:
+                        for _ in range(self.num_generations):
+                            yield dict(r)
+                block = []
+
+
+def is_iterable_dataset(dataset) -> bool:
+    """A dataset read as a stream (no ``len()``)."""
+    return isinstance(dataset, torch.utils.data.IterableDataset)
+
+
 def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
@@ -109,6 +149,11 @@ def tokenize_prompts(
 def check_dataset(name: str, dataset) -> None:
     """A dataset the trainer can use: not empty, with a ``prompt`` column (checked before a model is loaded)."""
     if dataset is None:
+        return
+    if is_iterable_dataset(dataset):  # a stream: only its declared columns can be checked before training
+        columns = getattr(dataset, "column_names", None)
+        if columns and "prompt" not in columns:
+            raise ValueError(f"{name} has no 'prompt' column (columns: {', '.join(map(str, columns))}); add one")
         return
     columns = getattr(dataset, "column_names", None)
     if columns is None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and len(dataset):

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import CHOICE_FIELDS, GRPOConfig
-from .reporting._util import atomic_write_text, jsonable
+from .files import atomic_write_text
+from .reporting._util import jsonable
 
 logger = logging.getLogger("grpokit")
 

@@ -251,13 +251,25 @@ def lean_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     return head
 
 
+def _router_kwargs(aux: list | None) -> dict:
+    """A Mixture-of-Experts forward returns its load-balancing loss when asked (``aux``: where to put it)."""
+    return {} if aux is None else {"output_router_logits": True}
+
+
+def _keep_aux(outputs, aux: list | None) -> None:
+    value = getattr(outputs, "aux_loss", None)
+    if aux is not None and value is not None:
+        aux.append(value)
+
+
 def _head_inputs(
     model: torch.nn.Module, head: torch.nn.Linear, input_ids, mask, keep: int, cache=None, position_ids=None,
+    aux: list | None = None,
 ) -> torch.Tensor | None:
     """The hidden states the model hands its LM head for the last ``keep`` positions (B, keep, D), from a forward
     in which the head itself projects nothing: a pre-hook on the head keeps its input and passes on an empty slice.
     The model's own forward runs (so its wrappers do: DDP, PEFT, accelerate's autocast). None when the head was
-    not called exactly once on a (B, keep, D) input."""
+    not called exactly once on a (B, keep, D) input. ``aux``: a list the forward's MoE router loss is added to."""
     seen = []
 
     def hook(module, args):
@@ -269,11 +281,13 @@ def _head_inputs(
         position_ids = position_ids_from_mask(mask)
     kwargs = dict(use_cache=False) if cache is None else dict(cache=cache, use_cache=True)
     try:
-        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep, **kwargs)
+        outputs = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
+                        **kwargs, **_router_kwargs(aux))
     except TypeError:  # no logits_to_keep (or no cache)
         return None
     finally:
         handle.remove()
+    _keep_aux(outputs, aux)
     if len(seen) != 1 or seen[0].dim() != 3 or seen[0].shape[:2] != (input_ids.shape[0], keep):
         return None
     return seen[0]
@@ -300,7 +314,8 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
     return accepts_cache(base)
 
 
-def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g: int):
+def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g: int,
+                               aux: list | None = None):
     """The head inputs (B, C, D) for predicting each completion token, with every prompt encoded once for its
     group of ``g`` identical consecutive rows (:func:`grpokit.prefix.encode_once_per_group`), then a forward over
     the completion tokens only. The same numbers as encoding every row, up to float rounding; None when a forward
@@ -308,12 +323,12 @@ def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_
     c = completion_ids.shape[1]
     cache, last = encode_once_per_group(  # `last` predicts completion token 0
         _unwrap(model), prompt_ids, prompt_mask, g,
-        forward=lambda ids, mask, cache: _head_inputs(model, head, ids, mask, 1, cache=cache))
+        forward=lambda ids, mask, cache: _head_inputs(model, head, ids, mask, 1, cache=cache, aux=aux))
     if last is None:
         return None
     mask = torch.cat([prompt_mask, completion_mask], 1)
     positions = position_ids_from_mask(mask)[:, prompt_ids.shape[1]:]
-    rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions)
+    rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions, aux=aux)
     if rest is None:
         return None
     return torch.cat([last.repeat_interleave(g, 0), rest[:, :-1]], 1)
@@ -332,6 +347,7 @@ def completion_logps(
     batch_size: int | None = None,
     lean: bool = True,
     share_prompts: bool = True,
+    aux_losses: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of ``completion_ids`` given the prompts under ``model``, and entropies (B, C).
 
@@ -340,60 +356,83 @@ def completion_logps(
     ``share_prompts``: rows that come as groups of identical consecutive prompts (the ``G`` completions of a
     prompt) encode their prompt once per group, on the lean path, when the model allows it (see
     :func:`_shares_prompts`): less compute and activation memory in the forward and the backward.
+    ``aux_losses``: a list that receives the MoE load-balancing loss of every forward (Mixture-of-Experts models).
     """
     b, c = completion_ids.shape
     if c == 0:
         empty = completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
         return empty, (empty.clone() if compute_entropy else None)
     head = lean_head(model) if lean else None
-    share = share_prompts and head is not None and prompt_ids.shape[1] > 0 and _shares_prompts(model)
+    # an MoE load-balancing loss is computed over the forward's whole attention mask: one forward per row then
+    share = (share_prompts and aux_losses is None and head is not None and prompt_ids.shape[1] > 0
+             and _shares_prompts(model))
     step = batch_size or b
     logps, ents = [], []
     for start in range(0, b, step):
         sl = slice(start, start + step)
-        input_ids = torch.cat([prompt_ids[sl], completion_ids[sl]], 1)
-        mask = torch.cat([prompt_mask[sl], completion_mask[sl]], 1)
-        valid = completion_mask[sl].bool()
-        hidden = None
-        if head is not None:
-            g = group_size(prompt_ids[sl], prompt_mask[sl]) if share else 1
-            if g > 1:
-                hidden = _shared_prompt_head_inputs(model, head, prompt_ids[sl], prompt_mask[sl], completion_ids[sl],
-                                                    completion_mask[sl], g)
-            if hidden is None:
-                hidden = _head_inputs(model, head, input_ids, mask, c + 1)
-                hidden = hidden[:, :-1] if hidden is not None else None
-        if hidden is not None:
-            hidden = hidden[valid]
-            if hidden.dtype != head.weight.dtype:  # autocast: project in the head's own dtype
-                hidden = hidden.to(head.weight.dtype)
-            lp_v, ent_v = linear_logps_and_entropy(
-                hidden, head.weight, completion_ids[sl][valid], head.bias, temperature=temperature,
-                compute_entropy=compute_entropy, entropy_grad=entropy_grad,
-            )
-            zeros = lp_v.new_zeros(valid.shape)
-            lp = zeros.masked_scatter(valid, lp_v)
-            ent = zeros.masked_scatter(valid, ent_v) if compute_entropy else None
-        else:
-            head = None  # this model does not fit: the plain path from now on
-            logits = _forward_logits(model, input_ids, mask, c + 1)[:, :-1]
-            lp, ent = token_logps_and_entropy(logits, completion_ids[sl], temperature, compute_entropy,
-                                              entropy_grad=entropy_grad)
-            del logits
-            lp = lp.masked_fill(~valid, 0.0)
-            ent = ent.masked_fill(~valid, 0.0) if ent is not None else None
-        logps.append(lp)
-        if ent is not None:
-            ents.append(ent)
+        rows = (prompt_ids[sl], prompt_mask[sl], completion_ids[sl], completion_mask[sl])
+        aux = [] if aux_losses is not None else None
+        out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux) if head else None
+        if out is None:
+            head = None  # this model does not fit the lean path: the plain path from now on
+            aux = [] if aux_losses is not None else None
+            out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux)
+        if aux_losses is not None:
+            aux_losses.extend(aux)
+        logps.append(out[0])
+        if out[1] is not None:
+            ents.append(out[1])
     if len(logps) == 1:
         return logps[0], (ents[0] if compute_entropy else None)
     return torch.cat(logps), (torch.cat(ents) if compute_entropy else None)
 
 
-def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
-    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
+def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, share: bool,
+                temperature: float, compute_entropy: bool, entropy_grad: bool, aux: list | None):
+    """Log-probs and entropies of one chunk of rows from the head's inputs; None when the model does not fit."""
+    c = completion_ids.shape[1]
+    valid = completion_mask.bool()
+    hidden = None
+    g = group_size(prompt_ids, prompt_mask) if share else 1
+    if g > 1:
+        hidden = _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g,
+                                            aux=aux)
+    if hidden is None:
+        if aux:
+            aux.clear()
+        hidden = _head_inputs(model, head, torch.cat([prompt_ids, completion_ids], 1),
+                              torch.cat([prompt_mask, completion_mask], 1), c + 1, aux=aux)
+        hidden = hidden[:, :-1] if hidden is not None else None
+    if hidden is None:
+        return None
+    hidden = hidden[valid]
+    if hidden.dtype != head.weight.dtype:  # autocast: project in the head's own dtype
+        hidden = hidden.to(head.weight.dtype)
+    lp_v, ent_v = linear_logps_and_entropy(hidden, head.weight, completion_ids[valid], head.bias,
+                                           temperature=temperature, compute_entropy=compute_entropy,
+                                           entropy_grad=entropy_grad)
+    zeros = lp_v.new_zeros(valid.shape)
+    return zeros.masked_scatter(valid, lp_v), (zeros.masked_scatter(valid, ent_v) if compute_entropy else None)
+
+
+def _plain_chunk(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
+                 compute_entropy: bool, entropy_grad: bool, aux: list | None):
+    """Log-probs and entropies of one chunk of rows from the model's logits."""
+    c = completion_ids.shape[1]
+    valid = completion_mask.bool()
+    logits = _forward_logits(model, torch.cat([prompt_ids, completion_ids], 1),
+                             torch.cat([prompt_mask, completion_mask], 1), c + 1, aux=aux)[:, :-1]
+    lp, ent = token_logps_and_entropy(logits, completion_ids, temperature, compute_entropy, entropy_grad=entropy_grad)
+    return lp.masked_fill(~valid, 0.0), (ent.masked_fill(~valid, 0.0) if ent is not None else None)
+
+
+def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, keep: int,
+                    aux: list | None = None) -> torch.Tensor:
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
+                  **_router_kwargs(aux))
     try:
-        logits = model(**kwargs, logits_to_keep=keep).logits
+        outputs = model(**kwargs, logits_to_keep=keep)
     except TypeError:  # a model without logits_to_keep
-        logits = model(**kwargs).logits
-    return logits[:, -keep:]
+        outputs = model(**kwargs)
+    _keep_aux(outputs, aux)
+    return outputs.logits[:, -keep:]

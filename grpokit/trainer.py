@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
+import os
 from collections import defaultdict
 from typing import Any
 
@@ -25,13 +27,15 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from .algorithms import LossScale, LossSettings, policy_loss
 from .algorithms.advantages import group_advantages, nanstd, overlong_penalty
-from .algorithms.entropy import entropy_bonus
+from .algorithms.entropy import AdaptiveEntropyCoef, entropy_bonus
 from .algorithms.importance import sampler_importance_ratio
+from .algorithms.masks import high_entropy_mask
 from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import TrainerHooks
 from .checkpoints import CheckpointingMixin, load_rollout_buffer, save_rollout_buffer
 from .config import GRPOConfig
-from .data import GroupRepeatSampler, check_dataset, check_prompt_count
+from .data import GroupRepeatIterable, GroupRepeatSampler, check_dataset, check_prompt_count, is_iterable_dataset
+from .files import atomic_write_text
 from .logprobs import completion_logps
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.base import Generation, SamplingParams
@@ -40,6 +44,9 @@ from .rollout.transformers_backend import TransformersRollout
 from .sharding import full_weights, weights_for_generation
 
 logger = logging.getLogger("grpokit")
+
+ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
+"""The adaptive entropy controller's state in a checkpoint (TRL's file name)."""
 
 
 def _identity(batch: list) -> list:
@@ -83,6 +90,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         optimizers=(None, None),
         peft_config=None,
         rollout_backend=None,
+        quantization_config=None,
     ):
         model_id = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
         if args is None:
@@ -90,18 +98,21 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a grpokit.GRPOConfig, got {type(args).__name__}")
         _check_datasets(args, train_dataset, eval_dataset)
-        model, processing_class = _load_policy(model, model_id, processing_class, args)
+        transformers.set_seed(args.seed)  # before the model and its adapter are made: LoRA's init is random
+        model, processing_class = _load_policy(model, model_id, processing_class, args, quantization_config)
         self.ref_model = None
         if peft_config is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, peft_config)
-            if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
-                model.enable_input_require_grads()
-        elif args.beta != 0.0:
+            model = _add_adapter(model, peft_config, args)
+        elif args.beta != 0.0:  # a PeftModel passed in: its adapter as it is now is the reference (TRL's "ref" copy)
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        _keep_4bit_layers_trainable(model)
         self._setup_rewards(reward_funcs, reward_processing_classes, args)
         self.loss_settings = LossSettings.from_config(args)
+        self._entropy_ctrl = AdaptiveEntropyCoef(
+            coef=args.entropy_coef, target=args.entropy_target, delta=args.entropy_coef_delta, lo=args.entropy_coef_min,
+            hi=args.entropy_coef_max) if args.use_adaptive_entropy else None
+        self._entropy_window: torch.Tensor | None = None
+        self.router_aux_loss_coef = _router_aux_loss_coef(model, args)
         if rollout_backend is None and args.use_vllm:
             from .rollout.vllm_backend import VLLMRollout
 
@@ -112,7 +123,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._rollouts = RolloutBuffer(args.steps_per_generation, args.steps_per_generation * args.num_iterations)
         self._synced_step = 0  # a sampler with its own weights (vLLM) starts from the same checkpoint
         self._total_tokens = 0
-        self._last_samples: dict[str, list] | None = None
+        self._last_samples: dict[str, Any] | None = None
+        self._pending_reward_metrics: dict[str, list[float]] = defaultdict(list)
+        self._pending_extra_columns: dict[str, list] = defaultdict(list)
+        self._extra_columns: dict[str, list] = {}
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -141,6 +155,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                 proc = transformers.AutoTokenizer.from_pretrained(func.config._name_or_path)
             if proc is not None and proc.pad_token_id is None:
                 proc.pad_token = proc.eos_token
+            if isinstance(func, torch.nn.Module) and proc is not None:
+                # the reward is read at the last non-padding token: the model must know which token pads
+                config = func.config.get_text_config() if hasattr(func.config, "get_text_config") else func.config
+                config.pad_token_id = proc.pad_token_id
             self.reward_processing_classes.append(proc)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
         check_reward_weights(args.reward_weights, self.reward_func_names)
@@ -150,17 +168,25 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
     # -- the trainer's state, changed by these methods only ------------------------------------------------------
-    def begin_rollout_schedule(self, state) -> None:
-        """On (re)start: the micro-step counter follows ``global_step``, nothing is buffered, and a checkpoint taken
-        inside a generation batch gives back its saved rollouts (a resumed run then follows the same schedule)."""
+    def begin_training(self, state) -> None:
+        """On (re)start: the micro-step counter follows ``global_step``, nothing is buffered, and a checkpoint
+        gives back what the trainer saved in it — the rollouts of a generation batch it fell inside (a resumed run
+        then follows the same schedule) and the adaptive entropy controller."""
         self._rollouts.reset(state.global_step * self.args.gradient_accumulation_steps)
         self._total_tokens = int(state.num_input_tokens_seen or 0)
         if self._resume_checkpoint:
             load_rollout_buffer(self._rollouts, self._resume_checkpoint, self.accelerator.device,
                                 self.args.process_index, self.args.world_size)
+            path = os.path.join(self._resume_checkpoint, ENTROPY_STATE_FILE)
+            if self._entropy_ctrl is not None and os.path.isfile(path):
+                self._entropy_ctrl.load_state_dict(json.loads(open(path).read()))
 
-    def _save_rollout_state(self, checkpoint_dir: str) -> None:
+    def _save_trainer_state(self, checkpoint_dir: str) -> None:
+        """What a checkpoint needs beyond transformers' files (called by the checkpoint writer)."""
         save_rollout_buffer(self._rollouts, checkpoint_dir, self.args.process_index, self.args.world_size)
+        if self._entropy_ctrl is not None and self.args.should_save:
+            atomic_write_text(os.path.join(checkpoint_dir, ENTROPY_STATE_FILE),
+                              json.dumps(self._entropy_ctrl.state_dict()))
 
     def record_metric(self, name: str, value: float | torch.Tensor, mode: str = "train") -> None:
         """Add a value to the metrics averaged (counters: summed) into the next log line."""
@@ -214,13 +240,28 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def get_train_dataloader(self):
         if self.train_dataset is None:
             raise ValueError("GRPOTrainer.train() needs a train_dataset")
+        dataset = self.train_dataset
+        if is_iterable_dataset(dataset):
+            dataset = GroupRepeatIterable(dataset, self.args.num_generations,
+                                          self.args.generation_batch_size // self.args.num_generations,
+                                          repeats=self._rollouts.generate_every, shuffle=bool(self.args.shuffle_dataset),
+                                          seed=self.args.seed)
         return self._get_dataloader(
-            dataset=self.train_dataset,
+            dataset=dataset,
             description="Training",
             batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if is_iterable_dataset(dataset):  # TRL: an eval stream is shuffled with the seed and grouped
+            g = self.args.num_generations_eval or self.args.num_generations
+            per_rank = self.args.per_device_eval_batch_size
+            grouped = GroupRepeatIterable(dataset, g, max(1, per_rank * self.args.world_size // g), seed=self.args.seed)
+            return self._get_dataloader(dataset=grouped, description="Evaluation", batch_size=per_rank)
+        return super().get_eval_dataloader(eval_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
         g = self.args.num_generations_eval or self.args.num_generations
@@ -266,7 +307,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         s = sample_and_score(rows, self.processing_class, lambda ids, mask: self._generate(ids, mask, mode),
                              self.reward_funcs, self.reward_processing_classes,
                              chat_template_kwargs=a.chat_template_kwargs, max_prompt_length=a.max_prompt_length,
-                             device=device, reward_kwargs={"trainer_state": self.state})
+                             device=device, reward_kwargs=self._reward_kwargs())
+        self._flush_reward_logs(mode, len(rows))
         if s.n_truncated_prompts:
             self.record_metric("prompts/truncated_frac", s.n_truncated_prompts / len(rows), mode)
         completion_ids = s.generation.completion_ids.to(device)
@@ -291,6 +333,33 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._log_rollout_metrics(mode, rewards, result, lengths_local, truncated, s.prompt_mask, completion_mask)
         self._remember_samples(s, advantages, rewards_local)
         return batch
+
+    def _reward_kwargs(self) -> dict[str, Any]:
+        """What reward functions receive besides the batch, as in TRL: the trainer state, and ``log_metric(name,
+        value)`` / ``log_extra(column, values)`` to log a metric (averaged over the batch and every rank, logged
+        under its own name) or a per-completion column of the completions table."""
+        return {"trainer_state": self.state, "log_metric": self._log_reward_metric, "log_extra": self._log_extra_column}
+
+    def _log_reward_metric(self, name: str, value: float) -> None:
+        self._pending_reward_metrics[str(name)].append(float(value))
+
+    def _log_extra_column(self, column: str, values: list) -> None:
+        self._pending_extra_columns[str(column)].extend(list(values))
+
+    def _flush_reward_logs(self, mode: str, n_rows: int) -> None:
+        """Reduce what reward functions logged for this batch: every rank takes part for every name any rank used."""
+        pending, self._pending_reward_metrics = self._pending_reward_metrics, defaultdict(list)
+        names = sorted(pending)
+        if self.accelerator.num_processes > 1:
+            names = sorted(set().union(*gather_object([names])))
+        for name in names:
+            values = pending.get(name, [])
+            totals = self.accelerator.reduce(torch.tensor([sum(values), float(len(values))],
+                                                          device=self.accelerator.device), reduction="sum")
+            if totals[1] > 0:
+                self.record_metric(name, (totals[0] / totals[1]).item(), mode)
+        extra, self._pending_extra_columns = self._pending_extra_columns, defaultdict(list)
+        self._extra_columns = {k: (list(v) + [None] * n_rows)[:n_rows] for k, v in extra.items()}
 
     def _advantages(self, rewards_local: torch.Tensor, mode: str):
         """Advantages need whole groups: every rank's rewards are gathered, advantages computed, this rank's slice
@@ -327,11 +396,16 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             )
         valid = batch.completion_mask.bool()
         gap = (batch.old_logps - batch.sampler_logps)[valid].abs()
-        self.record_metric("sampling/sampling_logp_difference/mean", gap.mean() if gap.numel() else gap.sum(), mode)
+        gap = gap[~torch.isnan(gap)]  # tokens the sampler could not score
+        zero = gap.new_zeros(())
+        self.record_metric("sampling/sampling_logp_difference/mean", gap.mean() if gap.numel() else zero, mode)
+        self.record_metric("sampling/sampling_logp_difference/max", gap.max() if gap.numel() else zero, mode)
         if batch.sampler_ratio is not None:
             rho = batch.sampler_ratio
-            rho = rho.expand_as(batch.completion_mask)[valid] if rho.shape[-1] != 1 else rho
-            self.record_metric("sampling/importance_sampling_ratio/mean", rho.float().mean(), mode)
+            rho = (rho.expand_as(batch.completion_mask)[valid] if rho.shape[-1] != 1 else rho.flatten()).float()
+            for stat in ("min", "mean", "max"):
+                value = getattr(rho, stat)() if rho.numel() else rho.new_zeros(())
+                self.record_metric(f"sampling/importance_sampling_ratio/{stat}", value, mode)
 
     def _reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         kwargs = dict(temperature=self.args.temperature, compute_entropy=False,
@@ -358,6 +432,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         done = lengths[trunc == 0]
         if done.numel():
             m["completions/mean_terminated_length"].append(done.mean().item())
+            m["completions/min_terminated_length"].append(done.min().item())
+            m["completions/max_terminated_length"].append(done.max().item())
         for k, name in enumerate(self.reward_func_names):
             col = rewards[:, k]
             if (~torch.isnan(col)).any():
@@ -376,7 +452,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         """The last batch's prompts, completions, rewards and advantages, for the completions table."""
         self._last_samples = {
             "prompt": s.prompt_texts, "completion": s.completion_texts, "advantage": advantages.tolist(),
-            **{name: rewards_local[:, k].tolist() for k, name in enumerate(self.reward_func_names)},
+            "rewards": {name: rewards_local[:, k].tolist() for k, name in enumerate(self.reward_func_names)},
+            "extra": self._extra_columns,
         }
 
     # -- loss ------------------------------------------------------------------------------------------------------
@@ -386,23 +463,29 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         a = self.args
         mode = "train" if self.model.training else "eval"
         mask = inputs.completion_mask.float()
+        aux = [] if self.router_aux_loss_coef else None
         logps, entropies = completion_logps(
             model, inputs.prompt_ids, inputs.prompt_mask, inputs.completion_ids, inputs.completion_mask,
-            temperature=a.temperature, compute_entropy=True, entropy_grad=a.entropy_coef > 0,
+            temperature=a.temperature, compute_entropy=True, entropy_grad=self._entropy_bonus_on(), aux_losses=aux,
         )
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
         scale = LossScale(max_completion_length=a.max_completion_length, num_items_in_batch=inputs.num_items_in_batch,
                           gradient_accumulation_steps=ga,
                           steps_per_generation=a.steps_per_generation if mode == "train" else 1,
                           num_processes=self.accelerator.num_processes)
+        gather = self._gather_entropies if self.accelerator.num_processes > 1 else None
         out = policy_loss(
             logps, inputs.old_logps, inputs.advantages, mask, self.loss_settings, scale=scale,
             ref_logps=inputs.ref_logps, sampler_ratio=inputs.sampler_ratio, sampler_logps=inputs.sampler_logps,
-            entropies=entropies, entropy_gather=self._gather_entropies if self.accelerator.num_processes > 1 else None,
+            entropies=entropies, entropy_gather=gather,
         )
         loss = out.loss
-        if a.entropy_coef > 0:
-            loss = loss + entropy_bonus(entropies, mask, a.entropy_coef, ga)
+        if self._entropy_bonus_on():
+            loss = loss + self._entropy_term(out.loss, entropies, mask, ga, mode, gather)
+        if aux:
+            aux_loss = torch.stack([x.float() for x in aux]).mean()
+            loss = loss + self.router_aux_loss_coef * aux_loss / ga
+            self.record_metric("aux_loss", aux_loss.detach(), mode)
         # one check (one host sync) for the loss and the policy log-probs it came from: exactly on-policy the loss
         # value does not depend on the log-probs, so a NaN there would not show in the loss
         if not (torch.isfinite(loss) & (torch.isfinite(logps.detach()) | (mask == 0)).all()):
@@ -417,6 +500,31 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         for key, value in out.metrics.items():
             self.record_metric(key, value, mode)
         return loss
+
+    def _entropy_bonus_on(self) -> bool:
+        return self.args.entropy_coef != 0.0 or self._entropy_ctrl is not None
+
+    def _entropy_term(self, policy_term, entropies, mask, ga: int, mode: str, gather) -> torch.Tensor:
+        """The entropy bonus of this micro-batch on the tokens the policy term acts on, at the coefficient of this
+        optimizer step; with ``use_adaptive_entropy`` the step's entropy updates the coefficient for the next one.
+        Logs ``policy_loss`` (the policy term alone, as TRL reports it) and ``entropy_coef``."""
+        a = self.args
+        if a.top_entropy_quantile < 1.0:
+            mask = mask * high_entropy_mask(entropies, mask, a.top_entropy_quantile, gather)
+        coef = self._entropy_ctrl.applied() if self._entropy_ctrl is not None else a.entropy_coef
+        global_mean = self.loss_settings.spec.aggregation == "global_token_mean"
+        self.record_metric("policy_loss", policy_term.detach() * (1 if global_mean else ga), mode)
+        if self._entropy_ctrl is not None and mode == "train":
+            stats = torch.stack([(entropies.detach() * mask).sum(), mask.sum()])
+            self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(self._entropy_window, reduction="sum")
+                self._entropy_ctrl.update((total[0] / total[1].clamp(min=1.0)).item())
+                self._entropy_window = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self.record_metric("entropy_coef", self._entropy_ctrl.coef if self._entropy_ctrl is not None else coef,
+                               mode)
+        return entropy_bonus(entropies, mask, coef, ga)
 
     def _gather_entropies(self, values: torch.Tensor) -> torch.Tensor:
         """Every rank's valid-token entropies (ranks hold different counts: padded with NaN, gathered, dropped)."""
@@ -442,9 +550,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         metrics = _reduce_metrics(self._metrics[mode])
-        if self.accelerator.num_processes > 1:  # every rank logs at the same steps: average over ranks
+        if self.accelerator.num_processes > 1:  # every rank logs at the same steps: reduce over ranks
             per_rank = gather_object([metrics])
-            metrics = _reduce_metrics({k: [m[k] for m in per_rank if k in m] for k in set().union(*per_rank)})
+            metrics = _reduce_metrics({k: [m[k] for m in per_rank if k in m] for k in set().union(*per_rank)},
+                                      across_ranks=True)
         if mode == "eval":
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
         logs = {**logs, **metrics}
@@ -454,18 +563,27 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             from .reporting import log_completions_table
 
             s = self._last_samples
-            rewards = {name: s[name] for name in self.reward_func_names if name in s}
-            log_completions_table(s["prompt"], s["completion"], rewards, s["advantage"], self.state.global_step,
-                                  max_rows=self.args.num_completions_to_print or 8)
+            log_completions_table(s["prompt"], s["completion"], s["rewards"], s["advantage"], self.state.global_step,
+                                  max_rows=self.args.num_completions_to_print or 8, extra=s["extra"])
 
 
-def _load_policy(model, model_id, processing_class, args: GRPOConfig):
-    """The policy model (loaded when given by name) and its tokenizer, padded on the left; dropout off with
-    ``disable_dropout``."""
+def _load_policy(model, model_id, processing_class, args: GRPOConfig, quantization_config=None):
+    """The policy model (loaded when given by name, quantised with ``quantization_config``) and its tokenizer,
+    padded on the left; the model's configs learn the pad token; dropout off with ``disable_dropout``."""
     if isinstance(model, str):
         from .models import load_model
 
-        model = load_model(model, trust_remote_code=args.trust_remote_code, **dict(args.model_init_kwargs or {}))
+        init_kwargs = dict(args.model_init_kwargs or {})
+        if quantization_config is not None:
+            if "quantization_config" in init_kwargs:
+                raise ValueError("quantization_config is given both to GRPOTrainer and in GRPOConfig.model_init_kwargs; "
+                                 "give it once (to the trainer)")
+            init_kwargs["quantization_config"] = quantization_config
+        model = load_model(model, trust_remote_code=args.trust_remote_code, **init_kwargs)
+    else:
+        for what, value in (("model_init_kwargs", args.model_init_kwargs), ("quantization_config", quantization_config)):
+            if value:
+                logger.warning("%s is ignored: the model was passed already loaded", what)
     if processing_class is None:
         from .models import load_tokenizer
 
@@ -474,6 +592,10 @@ def _load_policy(model, model_id, processing_class, args: GRPOConfig):
     processing_class.padding_side = "left"
     if processing_class.pad_token_id is None:
         processing_class.pad_token = processing_class.eos_token
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config.pad_token_id = processing_class.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = processing_class.pad_token_id
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -481,9 +603,59 @@ def _load_policy(model, model_id, processing_class, args: GRPOConfig):
     return model, processing_class
 
 
+def _is_peft(model) -> bool:
+    return getattr(model, "peft_config", None) is not None and hasattr(model, "disable_adapter")
+
+
+def _add_adapter(model, peft_config, args: GRPOConfig):
+    """Wrap the policy with a PEFT adapter. A QLoRA base (4-/8-bit) keeps its adapter in bf16 (the QLoRA paper's
+    recommendation, as TRL does)."""
+    from peft import PeftConfig, get_peft_model
+
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. peft.LoraConfig), got {type(peft_config).__name__}")
+    if _is_peft(model):
+        raise ValueError("a PeftModel was passed together with peft_config: merge and unload the existing adapter "
+                         "first, or pass the PeftModel without peft_config")
+    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    model = get_peft_model(model, peft_config)
+    if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    if quantized:
+        for name, param in model.named_parameters():
+            if param.requires_grad and "lora_magnitude_vector" not in name:
+                param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+def _keep_4bit_layers_trainable(model) -> None:
+    """bitsandbytes (0.50) repacks a 4-bit weight for its CPU kernel on the first forward in eval mode without
+    gradient (generation) and never unpacks it for training, whose matmuls then have no backward: an adapter on a
+    4-bit base would get no gradient after the first rollout. Keep the trainable layout (CPU only)."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+
+
 def _check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
-    """Before a model is loaded: the datasets have prompts, and enough of them for one generation batch."""
+    """Before a model is loaded: the datasets have prompts, and enough of them for one generation batch. A stream
+    (``IterableDataset``) needs ``max_steps`` (its length is unknown) and every process reading it
+    (``dispatch_batches=False``, no dataloader workers, which would interleave and split groups), as in TRL."""
     check_dataset("train_dataset", train_dataset)
+    evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+    if any(is_iterable_dataset(d) for d in [train_dataset, *evals]):
+        if args.accelerator_config.dispatch_batches is True:
+            raise ValueError("accelerator_config.dispatch_batches=True is not allowed with an IterableDataset: every "
+                             "process must read the stream; use False (or leave it unset)")
+        args.accelerator_config.dispatch_batches = False
+    if is_iterable_dataset(train_dataset):
+        if args.max_steps <= 0:
+            raise ValueError(f"max_steps={args.max_steps!r} is not allowed with an IterableDataset train_dataset: its "
+                             "length is unknown, so set max_steps to a positive number of optimizer steps")
+        if args.dataloader_num_workers:
+            logger.warning("dataloader_num_workers=%d set to 0: workers would interleave the stream and split the "
+                           "groups of num_generations completions", args.dataloader_num_workers)
+            args.dataloader_num_workers = 0
     if eval_dataset is not None and not isinstance(eval_dataset, dict):
         check_dataset("eval_dataset", eval_dataset)
     if train_dataset is not None and hasattr(train_dataset, "__len__"):
@@ -492,15 +664,24 @@ def _check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
                            f"{args.num_generations}")
 
 
-def _reduce_metrics(values_by_key: dict[str, list]) -> dict[str, float]:
-    """Mean of each metric's values (tensors converted here, at log time: no host sync per micro-step); NaNs are
-    skipped; counters (``skipped_nonfinite``) are summed."""
+def _reduce_metrics(values_by_key: dict[str, list], across_ranks: bool = False) -> dict[str, float]:
+    """Each metric's values since the last log (tensors converted here, at log time: no host sync per micro-step),
+    NaNs skipped: the mean, as TRL; counters (``skipped_nonfinite``) summed; across ranks, the extremes of keys
+    named ``.../min``, ``..._min`` (``max``) instead of their mean, as TRL gathers them."""
     out = {}
     for key, values in values_by_key.items():
         nums = [float(v.item()) if isinstance(v, torch.Tensor) else float(v) for v in values]
         nums = [v for v in nums if v == v]
-        if nums:
-            out[key] = sum(nums) if key == "skipped_nonfinite" else sum(nums) / len(nums)
+        if not nums:
+            continue
+        if key == "skipped_nonfinite":
+            out[key] = sum(nums)
+        elif across_ranks and key.endswith(("/min", "_min")):
+            out[key] = min(nums)
+        elif across_ranks and key.endswith(("/max", "_max")):
+            out[key] = max(nums)
+        else:
+            out[key] = sum(nums) / len(nums)
     return out
 
 
@@ -517,3 +698,19 @@ def _nonfinite_cause(logps: torch.Tensor, inputs: RolloutBatch, mask: torch.Tens
     if not torch.isfinite(inputs.advantages).all():
         causes.append("non-finite advantages")
     return f" ({'; '.join(causes)})" if causes else ""
+
+
+def _router_aux_loss_coef(model, args: GRPOConfig) -> float:
+    """The MoE load-balancing loss coefficient, as TRL: ``router_aux_loss_coef``, or the model config's when None;
+    0 (off) for a model that does not return router logits. A coefficient set for a dense model is an error."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    is_moe = hasattr(text, "output_router_logits")
+    coef = args.router_aux_loss_coef
+    if coef is None:
+        coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+    elif coef != 0.0 and not is_moe:
+        raise ValueError(f"router_aux_loss_coef={coef!r} is not allowed: {type(base).__name__} is not a "
+                         "Mixture-of-Experts model that returns router logits; leave it None")
+    return float(coef) if is_moe else 0.0

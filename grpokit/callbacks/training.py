@@ -17,7 +17,7 @@ class TrainerHooks(TrainerCallback):
         self.start: float | None = None
 
     def on_train_begin(self, args, state, control, **kw):
-        self.trainer.begin_rollout_schedule(state)
+        self.trainer.begin_training(state)
 
     def on_pre_optimizer_step(self, args, state, control, **kw):
         self.trainer.guard_gradients(state)

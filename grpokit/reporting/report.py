@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..files import atomic_write_text
 from ._util import (
     METRICS_FILENAME,
     as_text,
-    atomic_write_text,
     fmt_duration,
     jsonable,
     read_metrics,

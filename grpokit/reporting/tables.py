@@ -27,16 +27,19 @@ def _cell(v: Any) -> str:
 
 def log_completions_table(prompts: Sequence[Any], completions: Sequence[Any], rewards: dict[str, Sequence[float]],
                           advantages: Sequence[float] | Any, step: int, max_rows: int = 8, *, console=None,
-                          max_prompt_chars: int = 200, max_completion_chars: int = 400):
-    """Print a rich table (prompt, completion, one column per reward function, advantage) of the first
-    ``max_rows`` samples at ``step``; returns the ``rich.table.Table``. Text is never parsed as rich markup.
-    Prompts/completions may be strings or chat-message lists; rewards/advantages lists or tensors."""
+                          max_prompt_chars: int = 200, max_completion_chars: int = 400,
+                          extra: dict[str, Sequence[Any]] | None = None):
+    """Print a rich table (prompt, completion, one column per reward function, one per ``extra`` column — what
+    reward functions logged with ``log_extra`` —, advantage) of the first ``max_rows`` samples at ``step``; returns
+    the ``rich.table.Table``. Text is never parsed as rich markup. Prompts/completions may be strings or
+    chat-message lists; rewards/advantages lists or tensors."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     prompts, completions = _seq(prompts), _seq(completions)
     reward_cols = {str(name): _seq(vals) for name, vals in (rewards or {}).items()}
+    extra_cols = {str(name): _seq(vals) for name, vals in (extra or {}).items()}
     adv = _seq(advantages)
     n = min(len(prompts), len(completions)) if prompts else len(completions)
     shown = min(n, max_rows) if max_rows is not None else n
@@ -47,12 +50,16 @@ def log_completions_table(prompts: Sequence[Any], completions: Sequence[Any], re
     table.add_column("completion", ratio=4, overflow="fold")
     for name in reward_cols:
         table.add_column(name, justify="right", no_wrap=True)
+    for name in extra_cols:
+        table.add_column(name, overflow="fold")
     if adv:
         table.add_column("advantage", justify="right", no_wrap=True)
     for i in range(shown):
         row = [Text(truncate(as_text(prompts[i]) if i < len(prompts) else "", max_prompt_chars)),
                Text(truncate(as_text(completions[i]), max_completion_chars))]
         row += [_cell(vals[i] if i < len(vals) else None) for vals in reward_cols.values()]
+        row += [Text(truncate(as_text(vals[i]), max_completion_chars)) if i < len(vals) and vals[i] is not None
+                else Text("—") for vals in extra_cols.values()]
         if adv:
             row.append(_cell(adv[i] if i < len(adv) else None))
         table.add_row(*row)

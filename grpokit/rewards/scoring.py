@@ -24,6 +24,12 @@ import torch
 from ..data import is_conversational
 from .registry import reward_func_name
 
+RESERVED_COLUMNS = ("prompt", "completion", "completion_ids")
+"""Dataset columns that are not passed to reward functions under their own name."""
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                 "environments")
+"""Keywords a reward function receives from the trainer; a dataset column may not use these names."""
+
 
 def _snippet(x: Any, width: int = 80) -> str:
     """A short readable form of a prompt or completion (the last message's content for chat lists)."""
@@ -128,13 +134,16 @@ def score_completions(
     completions: list,
     completion_ids: list[list[int]],
     rows: list[dict],
-    trainer_state: Any = None,
+    **call_kwargs: Any,
 ) -> torch.Tensor:
-    """Rewards (N, K) of K functions for N completions; ``None`` becomes NaN. Errors name the function."""
+    """Rewards (N, K) of K functions for N completions; ``None`` becomes NaN. Errors name the function.
+
+    Functions are called with ``prompts``, ``completions``, ``completion_ids``, every other column of ``rows`` by
+    name, and ``call_kwargs`` (the trainer passes ``trainer_state``, ``log_metric`` and ``log_extra``, as TRL
+    does)."""
     n = len(completions)
-    columns = {k: [r[k] for r in rows] for k in (rows[0] if rows else {}) if k not in ("prompt", "completion", "completion_ids")}
-    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                  trainer_state=trainer_state, **columns)
+    columns = {k: [r[k] for r in rows] for k in (rows[0] if rows else {}) if k not in RESERVED_COLUMNS}
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **call_kwargs, **columns)
     results: dict[int, list[float]] = {}
     pending: dict[int, Any] = {}
     for k, func in enumerate(reward_funcs):

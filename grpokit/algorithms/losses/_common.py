@@ -35,12 +35,35 @@ def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum()
 
 
+def _nan_extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
+    """The min (or max) of the non-NaN entries of ``x``; NaN when there are none."""
+    if x.numel() == 0:
+        return x.new_tensor(float("nan"))
+    valid = ~torch.isnan(x)
+    out = torch.where(valid, x, float("-inf") if largest else float("inf"))
+    out = out.max() if largest else out.min()
+    return torch.where(valid.any(), out, torch.full_like(out, float("nan")))
+
+
+def _row_extremes(low_rows: torch.Tensor, high_rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: over rows, the smallest share of a row's tokens
+    clipped below and the largest share clipped above (NaN rows, with no valid token, are left out)."""
+    return {"clip_ratio/low_min": _nan_extreme(low_rows, largest=False),
+            "clip_ratio/high_max": _nan_extreme(high_rows, largest=True)}
+
+
 def clip_metrics(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """TRL's clip metrics from boolean maps of the tokens (or rows) clipped below (``A < 0``) and above (``A > 0``)."""
+    if low.shape[-1] == 1 and mask.shape[-1] != 1:  # one ratio per row: a row is clipped or not
+        low_rows, high_rows = low.squeeze(-1).to(mask.dtype), high.squeeze(-1).to(mask.dtype)
+    else:
+        n = mask.sum(-1)
+        low_rows, high_rows = (low.to(mask.dtype) * mask).sum(-1) / n, (high.to(mask.dtype) * mask).sum(-1) / n
     return {
         "clip_ratio/low_mean": masked_mean(low, mask),
         "clip_ratio/high_mean": masked_mean(high, mask),
         "clip_ratio/region_mean": masked_mean(low | high, mask),
+        **_row_extremes(low_rows.detach(), high_rows.detach()),
     }
 
 
@@ -53,10 +76,14 @@ def clip_metrics_from_counts(clipped_rows: torch.Tensor, A: torch.Tensor, mask: 
     else:
         denom = mask_denom if mask_denom is not None else mask.sum().clamp(min=1.0)
     a = A.squeeze(-1)
-    low = torch.where(a < 0, clipped_rows, 0.0).sum()
-    high = torch.where(a > 0, clipped_rows, 0.0).sum()
+    low_rows = torch.where(a < 0, clipped_rows, 0.0)
+    high_rows = torch.where(a > 0, clipped_rows, 0.0)
+    low, high = low_rows.sum(), high_rows.sum()
+    if not per_row:  # shares of each row's tokens
+        n = mask.sum(-1)
+        low_rows, high_rows = low_rows / n, high_rows / n
     return {"clip_ratio/low_mean": low / denom, "clip_ratio/high_mean": high / denom,
-            "clip_ratio/region_mean": (low + high) / denom}
+            "clip_ratio/region_mean": (low + high) / denom, **_row_extremes(low_rows, high_rows)}
 
 
 def inside_clip(x: torch.Tensor, A: torch.Tensor, high: float, low: float
