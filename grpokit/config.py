@@ -38,8 +38,6 @@ CHOICE_FIELDS: dict[str, Any] = {
 # rather than a silent no-op. (field -> default)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "max_tool_calling_iterations": None,
-    "use_transformers_continuous_batching": False,
-    "use_transformers_paged": False,
     "log_completions_hub_repo": None,
     "vllm_structured_outputs_regex": None,
     "sync_ref_model": False,
@@ -214,9 +212,16 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     num_completions_to_print: int | None = field(default=None, metadata=_meta("Rows of that table."))
     log_unique_prompts: bool = field(default=False, metadata=_meta("One row per prompt in that table."))
     log_completions_hub_repo: str | None = field(default=None, metadata=_meta("Not supported yet."))
-    use_transformers_continuous_batching: bool = field(default=False, metadata=_meta("Not supported yet."))
-    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata=_meta("Unused."))
-    use_transformers_paged: bool = field(default=False, metadata=_meta("Not supported yet."))
+    use_transformers_continuous_batching: bool = field(
+        default=False, metadata=_meta("Generate with transformers' continuous-batching engine (paged attention).")
+    )
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None, metadata=_meta("Keyword arguments of transformers' ContinuousBatchingConfig "
+                                     "(max_memory_percent defaults to 0.5).")
+    )
+    use_transformers_paged: bool = field(
+        default=False, metadata=_meta("Deprecated alias of use_transformers_continuous_batching (as in TRL).")
+    )
 
     # grpokit additions
     advantage_estimator: str = field(default="grpo", metadata=_meta("grpo (group-normalised) | rloo."))
@@ -250,6 +255,12 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
             self.bf16 = bool(not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         if self.vllm_importance_sampling_cap is not None:
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        if self.use_transformers_paged:
+            logger.warning("use_transformers_paged is deprecated (as in TRL): use use_transformers_continuous_batching")
+            self.use_transformers_continuous_batching = True
+        if self.use_transformers_continuous_batching and self.use_vllm:
+            raise ValueError("use_transformers_continuous_batching=True and use_vllm=True are both set; choose one "
+                             "generation engine")
         if isinstance(self.pad_to_multiple_of, str):
             v = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if v in ("auto", "none", "null") else int(v)
@@ -259,7 +270,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
 
     def _parse_json_fields(self) -> None:
         """Mapping fields may be given as JSON text (the command line's only way)."""
-        for name in ("generation_kwargs", "chat_template_kwargs", "model_init_kwargs", "loss_params"):
+        for name in ("generation_kwargs", "chat_template_kwargs", "model_init_kwargs", "loss_params",
+                     "transformers_continuous_batching_config"):
             value = getattr(self, name)
             if isinstance(value, str):
                 try:

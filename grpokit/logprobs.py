@@ -2,11 +2,11 @@
 
 The lean path runs the model's forward with its LM head projecting nothing (a pre-hook takes the head's input),
 keeps the hidden state before each *valid* completion token (``completion_mask == 1``), and projects those to
-the vocabulary in (rows × vocabulary-tile)
-blocks with an online log-sum-exp (:class:`_ChunkedLogSoftmax`): at most one block of logits exists at a time,
-in the forward and again (recomputed) in the backward. Models whose LM head cannot be found, or whose logits are
-post-processed after the head (soft-capping, scaling), use the plain path: ``logits_to_keep`` logits and a
-row-chunked log-softmax.
+the vocabulary in (rows × vocabulary-tile) blocks with an online log-sum-exp
+(:func:`grpokit.chunked_head.linear_logps_and_entropy`): at most one block of logits exists at a time, in the
+forward and again (recomputed) in the backward, its matmuls in the autocast dtype. Models whose LM head cannot
+be found, or whose logits are post-processed after the head (soft-capping, scaling), use the plain path:
+``logits_to_keep`` logits and a row-chunked log-softmax.
 
 Positions where ``completion_mask`` is 0 get log-prob 0 and entropy 0 on both paths.
 """
@@ -15,168 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from .chunked_head import accumulation_dtype, linear_logps_and_entropy
 from .prefix import accepts_cache, encode_once_per_group, group_size, position_ids_from_mask
-
-BLOCK_ROWS = 512
-"""Rows (completion tokens) per block of logits."""
-BLOCK_VOCAB = 4096
-"""Vocabulary entries per block of logits: a block is ``BLOCK_ROWS × BLOCK_VOCAB`` float32 (8 MiB)."""
 
 _POSTPROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale",
                          "output_multiplier", "lm_head_multiplier")
 """Config fields of models that change logits after the LM head (Gemma 2/3, Cohere, Granite, ...)."""
-
-
-# -- the chunked projection -----------------------------------------------------------------------------------------
-def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
-    z = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-    return z.to(acc)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for float32 and narrower inputs (bf16/fp16 logits are upcast, as the plain path does); float64 stays."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class _ChunkedLogSoftmax(torch.autograd.Function):
-    """``log softmax(h·Wᵀ + b)[target]`` and the entropy per row, one (rows × vocab-tile) block at a time.
-
-    Forward, per row: running max ``m``, ``s = Σ e^(z-m)`` and ``a = Σ e^(z-m)·(z-m)`` over the tiles
-    (rescaled by ``e^(m_old - m_new)`` when the max grows), then ``lse = m + log s``, ``H = log s - a/s``.
-    Backward recomputes each block: with ``log p = z - lse``,
-    ``∂L/∂z = g_lp·(onehot - p) - g_H·p·(log p + H)``, then ``∂h = ∂z·W``, ``∂W = ∂zᵀ·h``, ``∂b = Σ ∂z``.
-    ``∂W`` and ``∂b`` are skipped when the weight (a frozen head: LoRA) does not need them. ``h`` arrives scaled
-    by ``1/τ`` (the caller folds the temperature into it).
-    """
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, targets, compute_entropy, entropy_grad, block_rows, block_vocab):
-        n, v = h.shape[0], weight.shape[0]
-        acc = _acc_dtype(h.dtype)
-        kw = dict(device=h.device, dtype=acc)
-        m = torch.full((n,), float("-inf"), **kw)
-        s = torch.zeros(n, **kw)
-        a = torch.zeros(n, **kw) if compute_entropy else None
-        picked = torch.zeros(n, **kw)
-        for r0 in range(0, n, block_rows):
-            r1 = min(n, r0 + block_rows)
-            hc, tc = h[r0:r1], targets[r0:r1]
-            mc, sc = m[r0:r1], s[r0:r1]
-            ac = a[r0:r1] if a is not None else None
-            for v0 in range(0, v, block_vocab):
-                v1 = min(v, v0 + block_vocab)
-                z = _block_logits(hc, weight[v0:v1], None if bias is None else bias[v0:v1], acc)
-                local = tc - v0
-                inside = (local >= 0) & (local < v1 - v0)
-                at_target = z.gather(1, local.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
-                picked[r0:r1] += torch.where(inside, at_target, 0.0)
-                new_m = torch.maximum(mc, z.amax(1))
-                if v0 == 0:
-                    scale = None
-                else:
-                    shift = mc - new_m  # ≤ 0
-                    scale = shift.exp()
-                u = z.sub_(new_m.unsqueeze(1))  # z - m, in place
-                e = u.exp()
-                s_blk = e.sum(1)
-                if ac is not None:
-                    a_blk = e.mul_(u).sum(1)
-                    if scale is None:
-                        ac.copy_(a_blk)
-                    else:
-                        ac.copy_(scale * (ac + shift * sc) + a_blk)
-                sc.copy_(s_blk if scale is None else sc * scale + s_blk)
-                mc.copy_(new_m)
-        log_s = s.log()
-        lse = m + log_s
-        logp = picked - lse
-        ent = (log_s - a / s) if compute_entropy else logp.new_empty(0)
-        ctx.save_for_backward(h, weight, bias, targets, lse, ent if compute_entropy else None)
-        ctx.entropy_grad = bool(compute_entropy and entropy_grad)
-        ctx.blocks = (block_rows, block_vocab)
-        if not ctx.entropy_grad:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):
-        h, weight, bias, targets, lse, ent = ctx.saved_tensors
-        block_rows, block_vocab = ctx.blocks
-        n, v = h.shape[0], weight.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
-        use_ent = ctx.entropy_grad and g_ent is not None
-        if g_lp is None:
-            g_lp = torch.zeros_like(lse)
-        acc = _acc_dtype(h.dtype)
-        grad_h = torch.zeros(h.shape, dtype=acc, device=h.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(v, dtype=acc, device=weight.device) if need_b else None
-        if need_h or need_w or need_b:
-            neg_glp = -g_lp.to(acc)
-            neg_gent = -g_ent.to(acc) if use_ent else None
-            for r0 in range(0, n, block_rows):
-                r1 = min(n, r0 + block_rows)
-                hc, tc = h[r0:r1], targets[r0:r1]
-                lse_c, glp_c = lse[r0:r1].unsqueeze(1), g_lp[r0:r1].to(acc)
-                hc_acc = hc.to(acc)
-                for v0 in range(0, v, block_vocab):
-                    v1 = min(v, v0 + block_vocab)
-                    w_t = weight[v0:v1]
-                    logp = _block_logits(hc, w_t, None if bias is None else bias[v0:v1], acc).sub_(lse_c)
-                    p = logp.exp()
-                    if use_ent:
-                        # -(g_lp + g_H·(log p + H)) written into logp
-                        coef = logp.add_(ent[r0:r1].unsqueeze(1)).mul_(neg_gent[r0:r1].unsqueeze(1))
-                        p.mul_(coef.add_(neg_glp[r0:r1].unsqueeze(1)))
-                    else:
-                        p.mul_(neg_glp[r0:r1].unsqueeze(1))
-                    local = tc - v0
-                    inside = (local >= 0) & (local < v1 - v0)
-                    p.scatter_add_(1, local.clamp(0, v1 - v0 - 1).unsqueeze(1),
-                                   torch.where(inside, glp_c, 0.0).unsqueeze(1))
-                    # products in the accumulation dtype: bf16 blocks are not rounded before they are summed
-                    if need_h:
-                        grad_h[r0:r1].addmm_(p, w_t.to(acc))
-                    if need_w:
-                        grad_w[v0:v1].addmm_(p.t(), hc_acc)
-                    if need_b:
-                        grad_b[v0:v1] += p.sum(0)
-        return (
-            grad_h.to(h.dtype) if grad_h is not None else None,
-            grad_w.to(weight.dtype) if grad_w is not None else None,
-            grad_b.to(bias.dtype) if grad_b is not None else None,
-            None, None, None, None, None,
-        )
-
-
-def linear_logps_and_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    compute_entropy: bool = True,
-    entropy_grad: bool = False,
-    block_rows: int = BLOCK_ROWS,
-    block_vocab: int = BLOCK_VOCAB,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(z)[target]`` and ``H = -Σ p·log p`` for ``z = (hidden·Wᵀ + b)/τ``, never materialising
-    ``z`` beyond one ``block_rows × block_vocab`` block.
-
-    ``hidden``: (N, D) or (..., D); ``weight``: (V, D); ``targets``: hidden's leading shape. Returns float32
-    tensors of the leading shape. Gradients flow to ``hidden``, ``weight`` and ``bias`` where they require it;
-    to the entropy only with ``entropy_grad`` (otherwise it is a detached metric).
-    """
-    lead = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1])
-    t = targets.reshape(-1).to(torch.long)
-    if temperature != 1.0:
-        h = h * (1.0 / temperature)
-        bias = bias * (1.0 / temperature) if bias is not None else None
-    logp, ent = _ChunkedLogSoftmax.apply(h, weight, bias, t, compute_entropy, entropy_grad, block_rows, block_vocab)
-    return logp.reshape(lead), (ent.reshape(lead) if compute_entropy else None)
 
 
 # -- the plain path ----------------------------------------------------------------------------------------------
@@ -191,7 +35,7 @@ def token_logps_and_entropy(
     """
     logps, ents = [], []
     for start in range(0, logits.shape[0], rows_per_chunk):
-        z = logits[start:start + rows_per_chunk].to(_acc_dtype(logits.dtype))
+        z = logits[start:start + rows_per_chunk].to(accumulation_dtype(logits.dtype))
         if temperature != 1.0:
             z = z / temperature
         lse = torch.logsumexp(z, dim=-1)
@@ -293,14 +137,23 @@ def _head_inputs(
     return seen[0]
 
 
+SHARE_PROMPTS_ON = ("cpu",)
+"""Devices where the training forward encodes each prompt once per group. Measured faster on CPU (the step
+benchmark, benchmarks/RESULTS.md); on CUDA two forwards and a repeated cache have not been measured to pay off yet
+(benchmarks/bench_gpu.py compares both), so one forward per row is used there."""
+
+
 def _shares_prompts(model: torch.nn.Module) -> bool:
-    """Whether a prompt can be encoded once for its group: two forwards before one backward are fine (no DDP
-    wrapper), no activation checkpointing (it turns the cache off), no active dropout (the rows of a group would
-    share one dropout draw on the prompt), and a ``cache`` argument. Never under FSDP / ZeRO-3, where each rank's
-    number of forwards must match (``grpokit.sharding``)."""
+    """Whether a prompt can be encoded once for its group: on a device of :data:`SHARE_PROMPTS_ON`; two forwards
+    before one backward are fine (no DDP wrapper), no activation checkpointing (it turns the cache off), no active
+    dropout (the rows of a group would share one dropout draw on the prompt), and a ``cache`` argument. Never under
+    FSDP / ZeRO-3, where each rank's number of forwards must match (``grpokit.sharding``)."""
     from .sharding import sharding_kind
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or sharding_kind(model) is not None:
+        return False
+    param = next(model.parameters(), None)
+    if param is None or param.device.type not in SHARE_PROMPTS_ON:
         return False
     base = _unwrap(model)
     if base is None or getattr(base, "is_activation_checkpointing", False):
@@ -405,9 +258,7 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
         hidden = hidden[:, :-1] if hidden is not None else None
     if hidden is None:
         return None
-    hidden = hidden[valid]
-    if hidden.dtype != head.weight.dtype:  # autocast: project in the head's own dtype
-        hidden = hidden.to(head.weight.dtype)
+    hidden = hidden[valid]  # projected in the autocast dtype under autocast, else the head's (chunked_head.py)
     lp_v, ent_v = linear_logps_and_entropy(hidden, head.weight, completion_ids[valid], head.bias,
                                            temperature=temperature, compute_entropy=compute_entropy,
                                            entropy_grad=entropy_grad)

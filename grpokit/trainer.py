@@ -118,6 +118,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
 
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             rollout_backend = VLLMRollout(base.name_or_path, processing_class, args, process_index=args.process_index)
+        if rollout_backend is None and args.use_transformers_continuous_batching:
+            from .rollout.continuous_batching import ContinuousBatchingRollout
+
+            rollout_backend = ContinuousBatchingRollout(processing_class, args.transformers_continuous_batching_config)
         self.rollout = rollout_backend or TransformersRollout(processing_class)
         self._metrics: dict[str, dict[str, list]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._rollouts = RolloutBuffer(args.steps_per_generation, args.steps_per_generation * args.num_iterations)

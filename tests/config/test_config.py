@@ -90,7 +90,7 @@ BAD = [
     (dict(off_policy_mask_threshold=-1.0), "off_policy_mask_threshold=-1.0", "[0, inf)"),
     (dict(warmup_ratio=1.5), "warmup_ratio=1.5", "[0, 1)"),
     (dict(overlong_buffer_length=600), "overlong_buffer_length=600", "[1, 512]"),
-    (dict(use_transformers_paged=True), "use_transformers_paged=True", "not supported"),
+    (dict(log_completions_hub_repo="me/completions"), "log_completions_hub_repo='me/completions'", "not supported"),
     (dict(entropy_coef_min=0.5, entropy_coef_max=0.2), "entropy_coef_max=0.2", "[0.5, inf)"),
     (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef=-1.0", "[0, inf)"),
     (dict(top_k=-1), "top_k=-1", "[0, inf)"),
