@@ -229,6 +229,14 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=None, metadata=_meta("DAPO overlong shaping: penalise completions in the last N tokens.")
     )
     overlong_penalty_factor: float = field(default=1.0, metadata=_meta("DAPO overlong shaping: maximum penalty."))
+    dynamic_sampling: bool = field(
+        default=False, metadata=_meta("DAPO dynamic sampling: replace groups whose rewards are all equal (no gradient) "
+                                      "with fresh prompts until the generation batch is full.")
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=4, metadata=_meta("Dynamic sampling: extra generation rounds at most per generation batch; what is still "
+                                  "missing then is filled with groups without reward spread.")
+    )
     skip_nonfinite_steps: bool = field(
         default=False,
         metadata=_meta("Skip (and count) a micro-step whose loss is not finite instead of raising."),
@@ -320,6 +328,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("generation_batch_size", 1, integer=True, optional=True)
         check.number("steps_per_generation", 1, integer=True, optional=True)
         check.number("overlong_penalty_factor", 0)
+        check.number("dynamic_sampling_max_rounds", 1, integer=True)
         if self.overlong_buffer_length is not None:
             check.number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
 

@@ -39,9 +39,10 @@ from .files import atomic_write_text
 from .logprobs import completion_logps
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.base import Generation, SamplingParams
+from .rollout.dynamic_sampling import fill_with_informative_groups
 from .rollout.sample import ScoredSamples, sample_and_score
 from .rollout.transformers_backend import TransformersRollout
-from .sharding import full_weights, weights_for_generation
+from .sharding import full_weights, sharding_kind, weights_for_generation
 
 logger = logging.getLogger("grpokit")
 
@@ -130,7 +131,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._last_samples: dict[str, Any] | None = None
         self._pending_reward_metrics: dict[str, list[float]] = defaultdict(list)
         self._pending_extra_columns: dict[str, list] = defaultdict(list)
-        self._extra_columns: dict[str, list] = {}
+        self._refill_position = 0  # dynamic sampling's own stream of prompts
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -184,6 +185,9 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             path = os.path.join(self._resume_checkpoint, ENTROPY_STATE_FILE)
             if self._entropy_ctrl is not None and os.path.isfile(path):
                 self._entropy_ctrl.load_state_dict(json.loads(open(path).read()))
+            path = os.path.join(self._resume_checkpoint, self._state_file_name())
+            if os.path.isfile(path):
+                self._refill_position = int(json.loads(open(path).read()).get("refill_position", 0))
 
     def _save_trainer_state(self, checkpoint_dir: str) -> None:
         """What a checkpoint needs beyond transformers' files (called by the checkpoint writer)."""
@@ -191,6 +195,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         if self._entropy_ctrl is not None and self.args.should_save:
             atomic_write_text(os.path.join(checkpoint_dir, ENTROPY_STATE_FILE),
                               json.dumps(self._entropy_ctrl.state_dict()))
+        atomic_write_text(os.path.join(checkpoint_dir, self._state_file_name()),
+                          json.dumps({"refill_position": self._refill_position}))
+
+    def _state_file_name(self) -> str:
+        """This process's own trainer state in a checkpoint (dynamic sampling's position)."""
+        return f"grpokit_state_{self.args.process_index}.json"
 
     def record_metric(self, name: str, value: float | torch.Tensor, mode: str = "train") -> None:
         """Add a value to the metrics averaged (counters: summed) into the next log line."""
@@ -307,28 +317,74 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             return self.rollout.generate(weights.model, prompt_ids, prompt_mask, params)
 
     def _generate_and_score(self, rows: list[dict], mode: str) -> RolloutBatch:
-        a, device = self.args, self.accelerator.device
-        s = sample_and_score(rows, self.processing_class, lambda ids, mask: self._generate(ids, mask, mode),
-                             self.reward_funcs, self.reward_processing_classes,
+        """One generation batch, scored and made into the batch the loss takes: with ``dynamic_sampling`` (training)
+        groups without reward spread are replaced by fresh ones first."""
+        samples = self._score_rows(rows, mode)
+        if mode == "train" and self.args.dynamic_sampling:
+            samples = self._fill_informative(samples, mode)
+        return self._finish_batch(samples, mode)
+
+    def _score_rows(self, rows: list[dict], mode: str, generate=None) -> ScoredSamples:
+        """Generate one completion per row and score it; DAPO's overlong penalty joins the rewards as one more
+        column. Local to this process (no collective), so it can run any number of times per batch."""
+        a = self.args
+        generate = generate or (lambda ids, mask: self._generate(ids, mask, mode))
+        s = sample_and_score(rows, self.processing_class, generate, self.reward_funcs, self.reward_processing_classes,
                              chat_template_kwargs=a.chat_template_kwargs, max_prompt_length=a.max_prompt_length,
-                             device=device, reward_kwargs=self._reward_kwargs())
-        self._flush_reward_logs(mode, len(rows))
+                             device=self.accelerator.device, reward_kwargs=self._reward_kwargs())
+        s.extra_columns = self._take_extra_columns(len(rows))
         if s.n_truncated_prompts:
             self.record_metric("prompts/truncated_frac", s.n_truncated_prompts / len(rows), mode)
+        if a.overlong_buffer_length is not None:
+            lengths = s.generation.completion_mask.sum(1)
+            penalty = overlong_penalty(lengths, a.max_completion_length, a.overlong_buffer_length,
+                                       a.overlong_penalty_factor)
+            s.rewards = torch.cat([s.rewards, penalty.unsqueeze(1).to(s.rewards)], 1)
+        return s
+
+    def _fill_informative(self, samples: ScoredSamples, mode: str) -> ScoredSamples:
+        """DAPO dynamic sampling (:mod:`grpokit.rollout.dynamic_sampling`), prompts for extra rounds drawn from
+        :meth:`_refill_rows`; logs the share of generated groups dropped, the rounds used and what stayed unfilled."""
+        a = self.args
+        lockstep = self.accelerator.num_processes > 1 and sharding_kind(self.model_wrapped or self.model) is not None
+        any_short = (lambda short: bool(self.accelerator.reduce(
+            torch.tensor([float(short)], device=self.accelerator.device), reduction="max").item())) if lockstep else None
+        filled, stats = fill_with_informative_groups(
+            samples, lambda n: self._score_rows(self._refill_rows(n), mode), a.num_generations, self.reward_weights,
+            a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_short)
+        self.record_metric("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups, mode)
+        self.record_metric("dynamic_sampling/rounds", float(stats.rounds), mode)
+        self.record_metric("dynamic_sampling/unfilled_frac", stats.unfilled_groups * a.num_generations / len(samples),
+                           mode)
+        return filled
+
+    def _refill_rows(self, n_groups: int) -> list[dict]:
+        """``n_groups`` more prompts × ``num_generations`` for dynamic sampling, from a stream of the training set
+        of its own (a seeded permutation per pass, this process taking every ``world_size``-th entry): other
+        processes draw other prompts, and a resumed run draws the same ones (the position is checkpointed)."""
+        n, world, rank = len(self.train_dataset), self.args.world_size, self.args.process_index
+        rows = []
+        for _ in range(n_groups):
+            global_pos = self._refill_position * world + rank
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.args.seed + 7919 + global_pos // n))
+            rows += [dict(self.train_dataset[int(perm[global_pos % n])])] * self.args.num_generations
+            self._refill_position += 1
+        return rows
+
+    def _finish_batch(self, s: ScoredSamples, mode: str) -> RolloutBatch:
+        """Advantages over every process's groups, the loss mask, the log-probs the loss needs, and the metrics."""
+        a, device = self.args, self.accelerator.device
+        self._flush_reward_logs(mode)
         completion_ids = s.generation.completion_ids.to(device)
         completion_mask = s.generation.completion_mask.to(device)
         truncated = s.generation.is_truncated.to(device)
         rewards_local = s.rewards.to(device)
         lengths_local = completion_mask.sum(1)
-        if a.overlong_buffer_length is not None:
-            penalty = overlong_penalty(lengths_local, a.max_completion_length, a.overlong_buffer_length,
-                                       a.overlong_penalty_factor)
-            rewards_local = torch.cat([rewards_local, penalty.unsqueeze(1).to(rewards_local)], 1)
         rewards, result, advantages = self._advantages(rewards_local, mode)
         if a.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
         batch = RolloutBatch(
-            prompt_ids=s.prompt_ids, prompt_mask=s.prompt_mask, completion_ids=completion_ids,
+            prompt_ids=s.prompt_ids.to(device), prompt_mask=s.prompt_mask.to(device), completion_ids=completion_ids,
             completion_mask=completion_mask, advantages=advantages,
             num_items_in_batch=self.accelerator.gather(completion_mask.sum().reshape(1)).sum(),
             sampler_logps=s.generation.sampler_logps.to(device) if s.generation.sampler_logps is not None else None,
@@ -350,8 +406,14 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def _log_extra_column(self, column: str, values: list) -> None:
         self._pending_extra_columns[str(column)].extend(list(values))
 
-    def _flush_reward_logs(self, mode: str, n_rows: int) -> None:
-        """Reduce what reward functions logged for this batch: every rank takes part for every name any rank used."""
+    def _take_extra_columns(self, n_rows: int) -> dict[str, list]:
+        """The per-row columns reward functions logged for the rows just scored."""
+        extra, self._pending_extra_columns = self._pending_extra_columns, defaultdict(list)
+        return {k: (list(v) + [None] * n_rows)[:n_rows] for k, v in extra.items()}
+
+    def _flush_reward_logs(self, mode: str) -> None:
+        """Reduce the metrics reward functions logged for this batch: every rank takes part for every name any rank
+        used."""
         pending, self._pending_reward_metrics = self._pending_reward_metrics, defaultdict(list)
         names = sorted(pending)
         if self.accelerator.num_processes > 1:
@@ -362,8 +424,6 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                                                           device=self.accelerator.device), reduction="sum")
             if totals[1] > 0:
                 self.record_metric(name, (totals[0] / totals[1]).item(), mode)
-        extra, self._pending_extra_columns = self._pending_extra_columns, defaultdict(list)
-        self._extra_columns = {k: (list(v) + [None] * n_rows)[:n_rows] for k, v in extra.items()}
 
     def _advantages(self, rewards_local: torch.Tensor, mode: str):
         """Advantages need whole groups: every rank's rewards are gathered, advantages computed, this rank's slice
@@ -457,7 +517,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._last_samples = {
             "prompt": s.prompt_texts, "completion": s.completion_texts, "advantage": advantages.tolist(),
             "rewards": {name: rewards_local[:, k].tolist() for k, name in enumerate(self.reward_func_names)},
-            "extra": self._extra_columns,
+            "extra": s.extra_columns,
         }
 
     # -- loss ------------------------------------------------------------------------------------------------------
@@ -653,6 +713,9 @@ def _check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
                              "process must read the stream; use False (or leave it unset)")
         args.accelerator_config.dispatch_batches = False
     if is_iterable_dataset(train_dataset):
+        if args.dynamic_sampling:
+            raise ValueError("dynamic_sampling=True is not supported with an IterableDataset train_dataset yet: it draws "
+                             "replacement prompts from the training set by index; use a map-style Dataset")
         if args.max_steps <= 0:
             raise ValueError(f"max_steps={args.max_steps!r} is not allowed with an IterableDataset train_dataset: its "
                              "length is unknown, so set max_steps to a positive number of optimizer steps")

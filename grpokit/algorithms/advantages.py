@@ -162,11 +162,15 @@ def compute_advantages(
     ).advantages
 
 
-def dynamic_sampling_keep(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """DAPO dynamic sampling (arXiv 2503.14476 §3.2): per group (n_groups,), True if the group has reward
-    spread (keep it), False if every completion scored alike (no gradient: drop and sample more)."""
+def dynamic_sampling_keep(rewards: torch.Tensor, num_generations: int,
+                          reward_weights: torch.Tensor | list[float] | None = None) -> torch.Tensor:
+    """DAPO dynamic sampling (arXiv 2503.14476 §3.2): per group (n_groups,), True if the group's total reward
+    ``R = Σ_k w_k·r_k`` has spread (keep it), False if every completion scored alike — within the tolerance of
+    :func:`zero_std_groups` — or fewer than two are scorable (no gradient: drop it and sample more)."""
     if rewards.dim() == 2:
-        rewards = torch.where(torch.isnan(rewards).all(-1), torch.nan, torch.nansum(rewards, -1))
+        w = torch.ones(rewards.shape[1], dtype=rewards.dtype, device=rewards.device) if reward_weights is None else (
+            torch.as_tensor(reward_weights, dtype=rewards.dtype, device=rewards.device))
+        rewards = torch.where(torch.isnan(rewards).all(-1), torch.nan, torch.nansum(rewards * w, -1))
     return ~zero_std_groups(rewards, num_generations)
 
 

@@ -183,3 +183,10 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalty(lengths, L, buf).tolist() == pytest.approx(expected, abs=1e-7)
     assert overlong_penalty(lengths, L, buf, overlong_penalty_factor=0.5).tolist() == pytest.approx(
         [0.5 * e for e in expected], abs=1e-7)
+
+
+def test_dynamic_sampling_keep_uses_the_reward_weights():
+    two = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]], dtype=F64)
+    # weights (1, 2): totals 1, 2 (spread) | 1, 0 (spread); weights (1, 1): 1, 1 (tied) | 1, 0
+    assert dynamic_sampling_keep(two, 2, reward_weights=[1.0, 2.0]).tolist() == [True, True]
+    assert dynamic_sampling_keep(two, 2, reward_weights=[1.0, 1.0]).tolist() == [False, True]

@@ -1,0 +1,79 @@
+"""DAPO's dynamic sampling (arXiv 2503.14476 §3.2): a group whose completions all scored alike has zero advantage
+and teaches nothing; drop it and sample more prompts until the generation batch is full of groups with reward
+spread, for at most a few extra rounds.
+
+The decision is per group and deterministic (:func:`grpokit.algorithms.dynamic_sampling_keep`), and every group lives
+on the rank that generated it, so under data parallelism every rank agrees on which groups are kept without talking
+to the others; only sharded generation in lockstep needs the ranks to run the same number of rounds
+(``any_rank_short``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..algorithms.advantages import dynamic_sampling_keep
+from .sample import ScoredSamples
+
+
+@dataclass
+class FillStats:
+    rounds: int
+    """Generation rounds used, the first included."""
+    generated_groups: int
+    dropped_groups: int
+    """Groups without reward spread among those generated."""
+    unfilled_groups: int
+    """Groups without reward spread that stayed in the batch because the rounds ran out."""
+
+
+def fill_with_informative_groups(
+    first: ScoredSamples,
+    sample_more: Callable[[int], ScoredSamples],
+    num_generations: int,
+    reward_weights: torch.Tensor,
+    max_extra_rounds: int,
+    pad_id: int,
+    any_rank_short: Callable[[bool], bool] | None = None,
+) -> tuple[ScoredSamples, FillStats]:
+    """Keep ``first``'s groups with reward spread and add groups from ``sample_more(n_groups)`` (each call generates
+    and scores ``n_groups`` fresh prompts × ``num_generations``) until there are as many groups as ``first`` had or
+    ``max_extra_rounds`` rounds were drawn; each round asks for the groups still missing, scaled up by the share
+    of groups dropped so far. When the rounds run out, dropped groups fill the rest (they carry no gradient), so the
+    batch keeps its shape. ``any_rank_short(short)`` (when given) makes every rank run the same rounds."""
+    g = num_generations
+    if len(first) % g:
+        raise ValueError(f"dynamic sampling needs whole groups on every process: {len(first)} rows is not a multiple "
+                         f"of num_generations={g} (make per_device_train_batch_size × steps_per_generation a multiple)")
+    need = len(first) // g
+    kept: list[ScoredSamples] = []
+    dropped: list[ScoredSamples] = []
+    n_kept = generated = 0
+    rounds = 0
+    batch = first
+    while True:
+        rounds += 1
+        flags = dynamic_sampling_keep(batch.rewards, g, reward_weights.to(batch.rewards.device)).tolist()
+        generated += len(flags)
+        for j, keep in enumerate(flags):
+            group = batch.select(list(range(j * g, (j + 1) * g)))
+            (kept if keep else dropped).append(group)
+            n_kept += int(keep)
+        short = n_kept < need
+        if any_rank_short is not None:
+            short = any_rank_short(short)
+        if not short or rounds > max_extra_rounds:
+            break
+        missing = max(0, need - n_kept)
+        keep_rate = max(0.1, n_kept / generated)
+        batch = sample_more(max(1, min(need, math.ceil(missing / keep_rate))))
+    chosen = kept[:need]
+    unfilled = need - len(chosen)
+    chosen += dropped[:unfilled]
+    stats = FillStats(rounds=rounds, generated_groups=generated, dropped_groups=generated - n_kept,
+                      unfilled_groups=unfilled)
+    return ScoredSamples.concat(chosen, pad_id), stats

@@ -1,0 +1,122 @@
+"""DAPO dynamic sampling: groups whose rewards are all equal are replaced by fresh groups until the generation batch
+is full, for at most dynamic_sampling_max_rounds extra rounds; the rest is filled with the dropped groups."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from tiny import tiny_model, tiny_tokenizer
+
+from grpokit.config import GRPOConfig
+from grpokit.rollout.base import Generation
+from grpokit.rollout.dynamic_sampling import fill_with_informative_groups
+from grpokit.rollout.sample import ScoredSamples
+from grpokit.trainer import GRPOTrainer
+
+G = 2
+
+
+def fake_samples(group_rewards: list[list[float]], tag: str) -> ScoredSamples:
+    rewards = [r for group in group_rewards for r in group]
+    n = len(rewards)
+    ids = torch.arange(n).unsqueeze(1).repeat(1, 3)
+    gen = Generation(completion_ids=ids, completion_mask=torch.ones_like(ids), is_truncated=torch.zeros(n, dtype=bool))
+    names = [f"{tag}{i // G}" for i in range(n)]
+    return ScoredSamples(prompts=names, prompt_texts=names, prompt_ids=ids[:, :2], prompt_mask=torch.ones(n, 2),
+                         generation=gen, completion_texts=names, completions=names, completion_id_lists=ids.tolist(),
+                         rewards=torch.tensor(rewards).unsqueeze(1), n_truncated_prompts=0)
+
+
+def test_fills_the_batch_with_groups_that_have_spread():
+    first = fake_samples([[1, 1], [0, 1], [0, 0], [1, 1]], "a")  # one of four groups has spread
+    asked = []
+
+    def more(n):
+        asked.append(n)
+        if len(asked) == 1:
+            return fake_samples([[0, 1], [1, 1], [1, 0], [0.5, 0.5]][:n], "b")
+        return fake_samples([[2, 3]] * n, "c")
+
+    out, stats = fill_with_informative_groups(first, more, G, torch.ones(1), max_extra_rounds=3, pad_id=0)
+    assert out.prompts == ["a1", "a1", "b0", "b0", "b2", "b2", "c0", "c0"]
+    assert asked == [4, 3]  # 3 missing at a keep rate of 1/4 → 12, capped at the batch's 4; then 1 at 3/8 → 3
+    assert stats.rounds == 3 and stats.unfilled_groups == 0
+    assert stats.generated_groups == 11 and stats.dropped_groups == 5
+
+
+def test_rounds_run_out_and_dropped_groups_fill_the_rest():
+    first = fake_samples([[1, 1], [0, 0], [0, 1]], "a")
+    out, stats = fill_with_informative_groups(first, lambda n: fake_samples([[5, 5]] * n, "b"), G, torch.ones(1),
+                                              max_extra_rounds=2, pad_id=0)
+    assert stats.rounds == 3 and stats.unfilled_groups == 2
+    assert out.prompts[:2] == ["a2", "a2"] and len(out) == 6  # the informative group first, then dropped ones
+
+
+def test_whole_groups_are_required():
+    with pytest.raises(ValueError, match="not a multiple of num_generations=2"):
+        fill_with_informative_groups(fake_samples([[1, 0]], "a").select([0]), None, G, torch.ones(1), 1, 0)
+
+
+def _dataset(n=24):
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(n)],
+                              "hard": [i % 3 != 0 for i in range(n)]})
+
+
+def spread_only_for_easy(completions, hard, **kw):
+    """Every completion of a 'hard' prompt scores 0 (no spread); others score their distinct characters."""
+    return [0.0 if h else len(set(c[0]["content"])) / 8 for c, h in zip(completions, hard)]
+
+
+def make_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                max_completion_length=8, max_steps=3, logging_steps=1, report_to="none", gradient_checkpointing=False,
+                learning_rate=1e-2, save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+                dynamic_sampling=True, dynamic_sampling_max_rounds=8)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def test_trainer_trains_only_on_groups_with_spread(tmp_path):
+    tok = tiny_tokenizer()
+    trainer = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path), train_dataset=_dataset(),
+                          processing_class=tok)
+    batches = []
+    finish = trainer._finish_batch
+
+    def record(s, mode):
+        batches.append(s)
+        return finish(s, mode)
+
+    trainer._finish_batch = record
+    trainer.train()
+    for s in batches:
+        assert len(s) == 8
+        totals = s.rewards.sum(1).view(-1, 4)
+        assert all(len(set(g.tolist())) > 1 for g in totals)  # every kept group has reward spread
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert all(h["frac_reward_zero_std"] == 0.0 and h["dynamic_sampling/unfilled_frac"] == 0.0 for h in logs)
+    assert all(h["dynamic_sampling/rounds"] >= 1 and 0 <= h["dynamic_sampling/filtered_frac"] < 1 for h in logs)
+    assert any(h["dynamic_sampling/filtered_frac"] > 0 for h in logs)  # 2 of 3 prompts are hard
+    assert trainer._refill_position > 0
+
+
+def test_refill_position_is_checkpointed_and_restored(tmp_path):
+    tok = tiny_tokenizer()
+    args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    first = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=args, train_dataset=_dataset(), processing_class=tok)
+    first.train()
+    saved = json.loads(open(os.path.join(args.output_dir, "checkpoint-2", "grpokit_state_0.json")).read())
+    assert saved["refill_position"] == first._refill_position > 0
+    resumed = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path, max_steps=3),
+                          train_dataset=_dataset(), processing_class=tok)
+    resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+    assert resumed._refill_position >= saved["refill_position"]
+
+
+def test_dynamic_sampling_config():
+    with pytest.raises(ValueError, match=r"dynamic_sampling_max_rounds=0 is not allowed"):
+        GRPOConfig(output_dir="/tmp/ds", dynamic_sampling=True, dynamic_sampling_max_rounds=0)
