@@ -301,6 +301,7 @@ class CheckpointingMixin:
         finally:
             guard.uninstall()
             self.interrupted = guard.received
+            self.end_training()  # a rollout producer stops however training ended
 
     def _save_checkpoint(self, model, trial) -> None:
         """One narrow override: transformers' own ``_save_checkpoint`` writes the checkpoint, with ``output_dir``

@@ -26,7 +26,9 @@ from .validation import Checker, short_repr
 logger = logging.getLogger("grpokit")
 
 VLLM_MODES = ("colocate", "server")
+STALENESS_MODES = ("bounded", "exact")
 CHOICE_FIELDS: dict[str, Any] = {
+    "staleness_mode": STALENESS_MODES,
     "loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
     "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS, "advantage_estimator": ADVANTAGE_ESTIMATORS,
     "vllm_mode": VLLM_MODES, "vllm_importance_sampling_mode": SAMPLER_CORRECTION_MODES,
@@ -229,6 +231,18 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=None, metadata=_meta("DAPO overlong shaping: penalise completions in the last N tokens.")
     )
     overlong_penalty_factor: float = field(default=1.0, metadata=_meta("DAPO overlong shaping: maximum penalty."))
+    max_staleness: int = field(
+        default=0, metadata=_meta("Asynchronous rollouts: generate up to this many optimizer steps ahead of the learner "
+                                  "with a copy of the weights (0: synchronous). TRL's async name.")
+    )
+    weight_sync_steps: int = field(
+        default=1, metadata=_meta("Asynchronous rollouts: optimizer steps between weight pushes to the producer.")
+    )
+    staleness_mode: str = field(
+        default="bounded", metadata=_meta("Asynchronous rollouts: 'bounded' (a background thread, the newest weights "
+                                          "within the bound) or 'exact' (every batch exactly max_staleness steps old; "
+                                          "in-line and deterministic, for studies).")
+    )
     dynamic_sampling: bool = field(
         default=False, metadata=_meta("DAPO dynamic sampling: replace groups whose rewards are all equal (no gradient) "
                                       "with fresh prompts until the generation batch is full.")
@@ -329,6 +343,14 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("steps_per_generation", 1, integer=True, optional=True)
         check.number("overlong_penalty_factor", 0)
         check.number("dynamic_sampling_max_rounds", 1, integer=True)
+        check.number("max_staleness", 0, integer=True)
+        check.number("weight_sync_steps", 1, integer=True)
+        if self.max_staleness > 0 and self.staleness_mode == "exact" and self.weight_sync_steps != 1:
+            raise ValueError(f"weight_sync_steps={self.weight_sync_steps!r} is not allowed with staleness_mode='exact': "
+                             "every version's weights must be published; use 1")
+        if self.max_staleness > 0 and self.use_vllm and self.staleness_mode == "exact":
+            raise ValueError("staleness_mode='exact' is not allowed with use_vllm=True: the engine holds only its "
+                             "latest weights; use 'bounded'")
         if self.overlong_buffer_length is not None:
             check.number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
 

@@ -130,8 +130,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._total_tokens = 0
         self._last_samples: dict[str, Any] | None = None
         self._pending_reward_metrics: dict[str, list[float]] = defaultdict(list)
-        self._pending_extra_columns: dict[str, list] = defaultdict(list)
         self._refill_position = 0  # dynamic sampling's own stream of prompts
+        self._async = None
+        if args.max_staleness > 0:
+            from .async_rollouts import AsyncRollouts
+
+            self._async = AsyncRollouts(self)
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -188,6 +192,18 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             path = os.path.join(self._resume_checkpoint, self._state_file_name())
             if os.path.isfile(path):
                 self._refill_position = int(json.loads(open(path).read()).get("refill_position", 0))
+        if self._async is not None:
+            self._async.start(state)
+
+    def end_training(self) -> None:
+        """After training, normally or not: the rollout producer stops."""
+        if self._async is not None:
+            self._async.close()
+
+    def after_optimizer_step(self, state) -> None:
+        """Asynchronous rollouts get the new weights (every ``weight_sync_steps`` steps)."""
+        if self._async is not None:
+            self._async.after_step(state)
 
     def _save_trainer_state(self, checkpoint_dir: str) -> None:
         """What a checkpoint needs beyond transformers' files (called by the checkpoint writer)."""
@@ -286,7 +302,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         if not self.model.training:
             return self._generate_and_score(generation_batch, mode="eval")
         if self._rollouts.needs_generation():
-            self._rollouts.fill(self._generate_and_score(generation_batch, mode="train"))
+            if self._async is not None:  # produced ahead, from the same sampler order (the rows given are not used)
+                self._rollouts.fill(self._async.next_batch())
+            else:
+                self._rollouts.fill(self._generate_and_score(generation_batch, mode="train"))
         return self._rollouts.next()
 
     def _sampling_params(self, mode: str) -> SamplingParams:
@@ -324,17 +343,29 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             samples = self._fill_informative(samples, mode)
         return self._finish_batch(samples, mode)
 
-    def _score_rows(self, rows: list[dict], mode: str, generate=None) -> ScoredSamples:
+    def _score_rows(self, rows: list[dict], mode: str, generate=None, logs: dict | None = None) -> ScoredSamples:
         """Generate one completion per row and score it; DAPO's overlong penalty joins the rewards as one more
-        column. Local to this process (no collective), so it can run any number of times per batch."""
+        column. Local to this process (no collective), so it can run any number of times per batch. ``logs``: where
+        metrics and reward-function logs go instead of the trainer's (a producer thread's batch keeps its own)."""
         a = self.args
         generate = generate or (lambda ids, mask: self._generate(ids, mask, mode))
+        extra: dict[str, list] = defaultdict(list)
+        reward_metrics = logs["reward_metrics"] if logs is not None else self._pending_reward_metrics
+        reward_kwargs = {
+            "trainer_state": self.state,
+            "log_metric": lambda name, value: reward_metrics.setdefault(str(name), []).append(float(value)),
+            "log_extra": lambda column, values: extra[str(column)].extend(list(values)),
+        }
         s = sample_and_score(rows, self.processing_class, generate, self.reward_funcs, self.reward_processing_classes,
                              chat_template_kwargs=a.chat_template_kwargs, max_prompt_length=a.max_prompt_length,
-                             device=self.accelerator.device, reward_kwargs=self._reward_kwargs())
-        s.extra_columns = self._take_extra_columns(len(rows))
+                             device=self.accelerator.device, reward_kwargs=reward_kwargs)
+        s.extra_columns = {k: (list(v) + [None] * len(rows))[:len(rows)] for k, v in extra.items()}
         if s.n_truncated_prompts:
-            self.record_metric("prompts/truncated_frac", s.n_truncated_prompts / len(rows), mode)
+            value = s.n_truncated_prompts / len(rows)
+            if logs is not None:
+                logs["metrics"].append(("prompts/truncated_frac", value))
+            else:
+                self.record_metric("prompts/truncated_frac", value, mode)
         if a.overlong_buffer_length is not None:
             lengths = s.generation.completion_mask.sum(1)
             penalty = overlong_penalty(lengths, a.max_completion_length, a.overlong_buffer_length,
@@ -371,8 +402,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             self._refill_position += 1
         return rows
 
-    def _finish_batch(self, s: ScoredSamples, mode: str) -> RolloutBatch:
-        """Advantages over every process's groups, the loss mask, the log-probs the loss needs, and the metrics."""
+    def _finish_batch(self, s: ScoredSamples, mode: str, behaviour_logps: torch.Tensor | None = None) -> RolloutBatch:
+        """Advantages over every process's groups, the loss mask, the log-probs the loss needs, and the metrics.
+        ``behaviour_logps``: the log-probs of the policy that generated the batch, when that is not the current one
+        (asynchronous rollouts)."""
         a, device = self.args, self.accelerator.device
         self._flush_reward_logs(mode)
         completion_ids = s.generation.completion_ids.to(device)
@@ -389,27 +422,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             num_items_in_batch=self.accelerator.gather(completion_mask.sum().reshape(1)).sum(),
             sampler_logps=s.generation.sampler_logps.to(device) if s.generation.sampler_logps is not None else None,
         )
+        if behaviour_logps is not None:
+            batch.old_logps = behaviour_logps.to(device)
         self._add_behaviour_logps(batch, mode)
         self._log_rollout_metrics(mode, rewards, result, lengths_local, truncated, s.prompt_mask, completion_mask)
         self._remember_samples(s, advantages, rewards_local)
         return batch
-
-    def _reward_kwargs(self) -> dict[str, Any]:
-        """What reward functions receive besides the batch, as in TRL: the trainer state, and ``log_metric(name,
-        value)`` / ``log_extra(column, values)`` to log a metric (averaged over the batch and every rank, logged
-        under its own name) or a per-completion column of the completions table."""
-        return {"trainer_state": self.state, "log_metric": self._log_reward_metric, "log_extra": self._log_extra_column}
-
-    def _log_reward_metric(self, name: str, value: float) -> None:
-        self._pending_reward_metrics[str(name)].append(float(value))
-
-    def _log_extra_column(self, column: str, values: list) -> None:
-        self._pending_extra_columns[str(column)].extend(list(values))
-
-    def _take_extra_columns(self, n_rows: int) -> dict[str, list]:
-        """The per-row columns reward functions logged for the rows just scored."""
-        extra, self._pending_extra_columns = self._pending_extra_columns, defaultdict(list)
-        return {k: (list(v) + [None] * n_rows)[:n_rows] for k, v in extra.items()}
 
     def _flush_reward_logs(self, mode: str) -> None:
         """Reduce the metrics reward functions logged for this batch: every rank takes part for every name any rank
@@ -446,7 +464,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         ids = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         with torch.no_grad():
             reused = mode == "train" and a.gradient_accumulation_steps % self._rollouts.generate_every != 0
-            if reused or batch.sampler_logps is not None:
+            if batch.old_logps is None and (reused or batch.sampler_logps is not None):
                 batch.old_logps, _ = completion_logps(self.model, *ids, temperature=a.temperature,
                                                       compute_entropy=False, batch_size=a.per_device_train_batch_size)
             if a.beta != 0.0:
@@ -616,8 +634,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         metrics = _reduce_metrics(self._metrics[mode])
         if self.accelerator.num_processes > 1:  # every rank logs at the same steps: reduce over ranks
             per_rank = gather_object([metrics])
-            metrics = _reduce_metrics({k: [m[k] for m in per_rank if k in m] for k in set().union(*per_rank)},
-                                      across_ranks=True)
+            metrics = _reduce_metrics({k: [m[k] for m in per_rank if k in m] for k in set().union(*per_rank)})
         if mode == "eval":
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
         logs = {**logs, **metrics}
@@ -712,6 +729,14 @@ def _check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
             raise ValueError("accelerator_config.dispatch_batches=True is not allowed with an IterableDataset: every "
                              "process must read the stream; use False (or leave it unset)")
         args.accelerator_config.dispatch_batches = False
+    if args.max_staleness > 0:
+        if is_iterable_dataset(train_dataset):
+            raise ValueError("max_staleness > 0 is not supported with an IterableDataset train_dataset yet: the rollout "
+                             "producer reads generation batches ahead by index; use a map-style Dataset")
+        if args.world_size > 1 and args.use_vllm and args.vllm_mode == "server":
+            raise ValueError("max_staleness > 0 with vllm_mode='server' on several processes is not supported: the "
+                             "server's one client gathers every rank's prompts, a collective a producer thread cannot "
+                             "make; use vllm_mode='colocate'")
     if is_iterable_dataset(train_dataset):
         if args.dynamic_sampling:
             raise ValueError("dynamic_sampling=True is not supported with an IterableDataset train_dataset yet: it draws "
@@ -731,21 +756,21 @@ def _check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
                            f"{args.num_generations}")
 
 
-def _reduce_metrics(values_by_key: dict[str, list], across_ranks: bool = False) -> dict[str, float]:
-    """Each metric's values since the last log (tensors converted here, at log time: no host sync per micro-step),
-    NaNs skipped: the mean, as TRL; counters (``skipped_nonfinite``) summed; across ranks, the extremes of keys
-    named ``.../min``, ``..._min`` (``max``) instead of their mean, as TRL gathers them."""
+def _reduce_metrics(values_by_key: dict[str, list]) -> dict[str, float]:
+    """Each metric's values since the last log — over micro-steps, then over ranks (tensors converted here, at log
+    time: no host sync per micro-step), NaNs skipped: the mean; counters (``skipped_nonfinite``, ``..._total``)
+    summed; keys named ``.../min``, ``..._min`` (``max``) take the extreme."""
     out = {}
     for key, values in values_by_key.items():
         nums = [float(v.item()) if isinstance(v, torch.Tensor) else float(v) for v in values]
         nums = [v for v in nums if v == v]
         if not nums:
             continue
-        if key == "skipped_nonfinite":
+        if key == "skipped_nonfinite" or key.endswith("_total"):
             out[key] = sum(nums)
-        elif across_ranks and key.endswith(("/min", "_min")):
+        elif key.endswith(("/min", "_min")):
             out[key] = min(nums)
-        elif across_ranks and key.endswith(("/max", "_max")):
+        elif key.endswith(("/max", "_max")):
             out[key] = max(nums)
         else:
             out[key] = sum(nums) / len(nums)

@@ -9,8 +9,9 @@ from transformers import TrainerCallback
 
 class TrainerHooks(TrainerCallback):
     """Forwards the training loop's events to the GRPO trainer, which changes its own state in its own methods:
-    the rollout schedule on (re)start, the non-finite-gradient guard before each optimizer step, and the wall time
-    of each optimizer step (generation included) as the ``step_time`` metric."""
+    the rollout schedule on (re)start and its end, the non-finite-gradient guard before each optimizer step, the
+    weights asynchronous rollouts get after it, and the wall time of each optimizer step (generation included) as the
+    ``step_time`` metric."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -26,8 +27,12 @@ class TrainerHooks(TrainerCallback):
         self.start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
+        self.trainer.after_optimizer_step(state)
         if self.start is not None:
             self.trainer.record_metric("step_time", time.perf_counter() - self.start)
+
+    def on_train_end(self, args, state, control, **kw):
+        self.trainer.end_training()
 
 
 class TimeBudget(TrainerCallback):
