@@ -1,0 +1,144 @@
+"""How stale can rollouts be? GRPO, DAPO and VESPO on the embedded SmolLM2-135M-Instruct (arithmetic task, the
+demo's LoRA recipe, CPU), with every generation batch produced by weights exactly ``s`` optimizer steps old
+(``max_staleness=s, staleness_mode="exact"``) for s in 0, 2, 4, 8, a fixed number of steps per run (exact
+staleness costs the same per step at every s, so a fixed step budget is a fixed compute budget, and unlike a
+wall-clock budget it does not depend on what else the machine is doing), several seeds.
+
+    python benchmarks/staleness_study.py run --steps 48 --seeds 0 1 2      # resumable: finished runs are skipped
+    python benchmarks/staleness_study.py summarize                         # table + plot into docs/staleness.md
+
+Each run trains from the same base model and evaluates greedily on the task's 128 held-out questions after
+training (the base model's accuracy is measured once). Results: runs/staleness/<loss>-s<s>-seed<seed>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "staleness"
+LOSSES = {"grpo": {"loss_type": "grpo"},
+          "dapo": {"loss_type": "dapo", "epsilon_high": 0.28},
+          "vespo": {"loss_type": "vespo"}}
+STALENESS = (0, 2, 4, 8)
+
+
+def spec(loss: str, s: int, seed: int, steps: int, out: Path, eval_before: bool) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from grpokit.cli import DEMO_SPEC
+
+    spec = dict(DEMO_SPEC)
+    spec.update(LOSSES[loss])
+    spec.update(output_dir=str(out), seed=seed, max_steps=steps, max_staleness=s, staleness_mode="exact",
+                logging_steps=1)
+    spec.pop("time_budget_s", None)
+    spec["eval"] = {**spec["eval"], "before": eval_before}
+    return spec
+
+
+def run(steps: int, seeds: list[int], losses: list[str], staleness: list[int], eval_n: int = 128) -> None:
+    from grpokit.job import run_job
+
+    for seed in seeds:
+        for s in staleness:
+            for loss in losses:
+                out = RUNS / f"{loss}-s{s}-seed{seed}"
+                if (out / "report.json").is_file():
+                    continue
+                first = not any((RUNS / f"{lo}-s{st}-seed{seed}" / "report.json").is_file()
+                                for lo in LOSSES for st in STALENESS)
+                print(f"== {out.name}", flush=True)
+                job = spec(loss, s, seed, steps, out, eval_before=first)
+                job["eval"]["n"] = eval_n
+                run_job(job, quiet=True)
+
+
+def _accuracy(report: dict, key: str) -> float | None:
+    ev = report.get(key) or {}
+    return ev.get("accuracy")
+
+
+def summarize() -> str:
+    rows = {}
+    before = []
+    for path in sorted(RUNS.glob("*/report.json")):
+        loss, s, seed = path.parent.name.split("-")
+        report = json.loads(path.read_text())
+        if _accuracy(report, "eval_before") is not None:
+            before.append(_accuracy(report, "eval_before"))
+        curve = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines() if line]
+        rewards = [r["reward"] for r in curve if "reward" in r]
+        rows.setdefault((loss, int(s[1:])), []).append({"acc": _accuracy(report, "eval_after"), "rewards": rewards,
+                                                        "seed": int(seed[4:])})
+    lines = ["| loss | staleness | held-out accuracy after (mean ± sd) | seeds | mean reward, last 10 steps |",
+             "|---|---|---|---|---|"]
+    for (loss, s), runs in sorted(rows.items()):
+        accs = [r["acc"] for r in runs if r["acc"] is not None]
+        last = [statistics.mean(r["rewards"][-10:]) for r in runs if r["rewards"]]
+        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        lines.append(f"| {loss} | {s} | {statistics.mean(accs):.1%} ± {sd:.1%} | {len(accs)} | "
+                     f"{statistics.mean(last):.3f} |")
+    text = "\n".join(lines)
+    if before:
+        text += f"\n\nBase model before training: {statistics.mean(before):.1%} (greedy, 128 held-out questions)."
+    _plot(rows)
+    return text
+
+
+def _plot(rows: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for loss in LOSSES:
+        pts = sorted((s, [r["acc"] for r in runs if r["acc"] is not None]) for (lo, s), runs in rows.items()
+                     if lo == loss)
+        if not pts:
+            continue
+        xs = [s for s, _ in pts]
+        means = [statistics.mean(a) for _, a in pts]
+        sds = [statistics.stdev(a) if len(a) > 1 else 0.0 for _, a in pts]
+        ax1.errorbar(xs, means, yerr=sds, marker="o", capsize=3, label=loss)
+        for s, runs in ((s, rows[(loss, s)]) for s in xs if s in (0, 8)):
+            curves = [r["rewards"] for r in runs if r["rewards"]]
+            n = min(map(len, curves))
+            mean_curve = [statistics.mean(c[i] for c in curves) for i in range(n)]
+            ax2.plot(range(1, n + 1), mean_curve, label=f"{loss}, staleness {s}",
+                     linestyle="-" if s == 0 else "--")
+    ax1.set(xlabel="staleness (optimizer steps)", ylabel="held-out accuracy after training", xticks=list(STALENESS))
+    ax2.set(xlabel="step", ylabel="mean reward (mean over seeds)")
+    ax1.legend()
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs" / "staleness.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--steps", type=int, default=48)
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    r.add_argument("--losses", nargs="+", default=list(LOSSES))
+    r.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
+    r.add_argument("--eval-n", type=int, default=128)
+    r.add_argument("--out", help="where the runs go (default runs/staleness)")
+    sub.add_parser("summarize")
+    args = ap.parse_args()
+    global RUNS
+    if getattr(args, "out", None):
+        RUNS = Path(args.out)
+    if args.cmd == "run":
+        run(args.steps, args.seeds, args.losses, args.staleness, args.eval_n)
+    else:
+        print(summarize())
+
+
+if __name__ == "__main__":
+    main()
