@@ -93,9 +93,10 @@ class AsyncRollouts:
         t, a = self.trainer, self.trainer.args
         logs: dict[str, Any] = {"metrics": [], "reward_metrics": {}}
         model = self.sampler if self.sampler is not None else t.accelerator.unwrap_model(t.model)
-        params = t._sampling_params("train")
-
-        def generate(ids, mask):
+        def generate(ids, mask, max_new_tokens=None):
+            params = t._sampling_params("train")
+            if max_new_tokens is not None:
+                params.max_new_tokens = max_new_tokens
             return t.rollout.generate(model, ids, mask, params)
 
         samples = t._score_rows(rows, "train", generate=generate, logs=logs)

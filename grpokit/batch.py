@@ -26,8 +26,8 @@ class RolloutBatch:
     completion_ids: torch.Tensor
     """(N, C) completion tokens, right-padded."""
     completion_mask: torch.Tensor
-    """(N, C) 1 for the tokens the loss counts (the model's own, up to and including EOS; 0 for padding, for tokens
-    the model did not generate such as tool results, and for rows ``mask_truncated_completions`` removes)."""
+    """(N, C) 1 for the completion's tokens (up to and including EOS; tool results included), 0 for padding and for
+    rows ``mask_truncated_completions`` removes: what the forward attends to. The loss counts :attr:`loss_mask`."""
     advantages: torch.Tensor
     """(N,) one advantage per completion."""
     num_items_in_batch: torch.Tensor
@@ -40,9 +40,17 @@ class RolloutBatch:
     """(N, C) the rollout engine's own log-probs (vLLM)."""
     sampler_ratio: torch.Tensor | None = None
     """(N, C) or (N, 1) the engine/trainer mismatch ratio ``ρ``."""
+    tool_mask: torch.Tensor | None = None
+    """(N, C) 0 on completion tokens the model did not generate (tool results): they are context for the forward but
+    take no part in the loss, the entropy or the lengths."""
 
     def __len__(self) -> int:
         return int(self.completion_ids.shape[0])
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """(N, C) the tokens the loss counts: the model's own completion tokens."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields that are set, by name."""

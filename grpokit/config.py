@@ -39,7 +39,6 @@ CHOICE_FIELDS: dict[str, Any] = {
 # TRL fields whose feature grpokit does not implement yet: setting them away from the default is an error
 # rather than a silent no-op. (field -> default)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "max_tool_calling_iterations": None,
     "log_completions_hub_repo": None,
     "vllm_structured_outputs_regex": None,
     "sync_ref_model": False,
@@ -200,7 +199,9 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     entropy_coef_max: float = field(default=1.0, metadata=_meta("Adaptive entropy: maximum coefficient."))
     entropy_coef_delta: float = field(default=0.005, metadata=_meta("Adaptive entropy: step."))
     entropy_target: float = field(default=0.2, metadata=_meta("Adaptive entropy: target."))
-    max_tool_calling_iterations: int | None = field(default=None, metadata=_meta("Not supported yet."))
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata=_meta("Tool rounds per rollout at most (None: until a reply calls no tool).")
+    )
     off_policy_mask_threshold: float | None = field(
         default=None, metadata=_meta("DeepSeek-V3.2 off-policy sequence mask threshold δ (≥ 0).")
     )
@@ -344,6 +345,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("overlong_penalty_factor", 0)
         check.number("dynamic_sampling_max_rounds", 1, integer=True)
         check.number("max_staleness", 0, integer=True)
+        check.number("max_tool_calling_iterations", 0, integer=True, optional=True)
         check.number("weight_sync_steps", 1, integer=True)
         if self.max_staleness > 0 and self.staleness_mode == "exact" and self.weight_sync_steps != 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps!r} is not allowed with staleness_mode='exact': "

@@ -108,11 +108,12 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def prompt_text(prompt: Any, tokenizer, chat_template_kwargs: dict | None = None) -> str:
-    """A conversational prompt through the chat template (with the generation prompt); plain text as is."""
+def prompt_text(prompt: Any, tokenizer, chat_template_kwargs: dict | None = None, tools: list | None = None) -> str:
+    """A conversational prompt through the chat template (with the generation prompt, and ``tools`` when given);
+    plain text as is."""
     if is_conversational(prompt):
         return tokenizer.apply_chat_template(
-            prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            prompt, tools=tools or None, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
         )
     if isinstance(prompt, str):
         return prompt

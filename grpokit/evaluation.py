@@ -3,6 +3,8 @@ with 95% intervals."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import time
 from typing import Any
@@ -12,10 +14,11 @@ import torch
 from .data import is_conversational
 from .reporting import mean_ci95, wilson_interval
 from .rewards import reward_func_name
-from .rollout.base import SamplingParams
+from .rollout.base import SamplingParams, context_length, stop_token_ids
 from .rollout.sample import sample_and_score
 from .rollout.transformers_backend import TransformersRollout
 from .sharding import weights_for_generation
+from .tools import TurnLimits
 
 
 @torch.no_grad()
@@ -34,6 +37,8 @@ def evaluate(
     n: int | None = None,
     num_samples: int = 8,
     gather: bool = True,
+    multiturn=None,
+    max_completion_length: int | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Score ``model`` on ``dataset`` (one completion per prompt, greedy by default).
 
@@ -41,6 +46,10 @@ def evaluate(
     whose ``accuracy_reward`` function gave ≥ 1), ``accuracy_ci95`` (Wilson), ``n``, per-function means under
     ``rewards``, ``format_rate`` when a function named ``format`` exists, ``mean_length`` and ``seconds``;
     ``samples`` the first ``num_samples`` rows (prompt, completion, reward, answer).
+
+    ``multiturn`` (a :class:`grpokit.tools.MultiTurn`): rollouts with tools and environments, as in training, each
+    reply up to ``max_new_tokens`` and all turns together up to ``max_completion_length`` (default
+    ``max_new_tokens``); ``summary`` then has ``tool_calls_per_row`` and ``tool_failure_rate``.
 
     Under multi-process training every rank evaluates every row; with sharded weights (FSDP, ZeRO-3) all ranks
     must call this together and ``gather`` decides how generation sees the weights (grpokit/sharding.py).
@@ -53,45 +62,77 @@ def evaluate(
     rollout = TransformersRollout(tokenizer)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
     names = [reward_func_name(f) for f in reward_funcs]
-    all_rewards, lengths, texts_all, prompts_all = [], [], [], []
+    limits = TurnLimits(stop_token_ids(model, tokenizer), max_completion_length or max_new_tokens, context_length(model))
+    all_rewards, lengths, texts_all, prompts_all, calls, failures = [], [], [], [], 0, 0
     with weights_for_generation(model, model, gather) as weights:  # gathered once for every batch
         params.lockstep = weights.lockstep
+
+        def generate(ids, mask, max_new_tokens=None):
+            p = params if max_new_tokens is None else dataclasses.replace(params, max_new_tokens=max_new_tokens)
+            return rollout.generate(weights.model, ids, mask, p)
+
         for s in range(0, len(rows), batch_size):
-            out = sample_and_score(rows[s:s + batch_size], tokenizer,
-                                   lambda ids, mask: rollout.generate(weights.model, ids, mask, params),
-                                   reward_funcs, max_prompt_length=max_prompt_length, device=device)
+            out = sample_and_score(rows[s:s + batch_size], tokenizer, generate, reward_funcs,
+                                   max_prompt_length=max_prompt_length, device=device, multiturn=multiturn,
+                                   limits=limits)
             all_rewards.append(out.rewards)
             lengths.extend(len(x) for x in out.completion_id_lists)
-            texts_all.extend(out.completion_texts)
+            multi = out.tool_calls is not None
+            texts_all.extend([_as_text(c) for c in out.completions] if multi else out.completion_texts)
             prompts_all.extend(out.prompt_texts)
+            calls += out.tool_calls or 0
+            failures += out.tool_failures
     rewards = torch.cat(all_rewards)
-    total = torch.nansum(rewards, dim=1)
-    values = total.tolist()
-    summary: dict[str, Any] = {
-        "n": len(rows),
-        "reward_mean": float(total.mean()),
-        "reward_ci95": list(mean_ci95(values)),
-        "rewards": {name: _nanmean(rewards[:, k]) for k, name in enumerate(names)},
-        "mean_length": sum(lengths) / len(lengths),
-        "greedy": greedy,
-    }
-    if accuracy_reward is not None:
-        if accuracy_reward not in names:
-            raise ValueError(f"accuracy_reward={accuracy_reward!r} is not among the reward functions {names}")
-        col = rewards[:, names.index(accuracy_reward)]
-        correct = int((torch.nan_to_num(col, nan=0.0) >= 1.0 - 1e-6).sum())
-        summary["accuracy"] = correct / len(rows)
-        summary["accuracy_ci95"] = list(wilson_interval(correct, len(rows)))
-        summary["correct"] = correct
-    if "format" in names:
-        summary["format_rate"] = float((torch.nan_to_num(rewards[:, names.index("format")]) > 0).float().mean())
+    summary = _summary(rewards, names, lengths, accuracy_reward)
+    summary["greedy"] = greedy
+    if multiturn is not None and multiturn.has_tools:
+        summary["tool_calls_per_row"] = calls / len(rows)
+        summary["tool_failure_rate"] = failures / calls if calls else 0.0
     summary["seconds"] = time.perf_counter() - start
+    values = torch.nansum(rewards, dim=1).tolist()
     samples = [
         {"prompt": _last_user_turn(rows[i]["prompt"]), "completion": texts_all[i], "reward": values[i],
          "answer": str(rows[i].get("answer", ""))}
         for i in range(min(num_samples, len(rows)))
     ]
     return summary, samples
+
+
+def _summary(rewards: torch.Tensor, names: list[str], lengths: list[int], accuracy_reward: str | None
+             ) -> dict[str, Any]:
+    """Mean reward and accuracy with their 95% intervals, per-function means, the format rate and mean length."""
+    total = torch.nansum(rewards, dim=1)
+    n = rewards.shape[0]
+    summary: dict[str, Any] = {
+        "n": n,
+        "reward_mean": float(total.mean()),
+        "reward_ci95": list(mean_ci95(total.tolist())),
+        "rewards": {name: _nanmean(rewards[:, k]) for k, name in enumerate(names)},
+        "mean_length": sum(lengths) / len(lengths),
+    }
+    if accuracy_reward is not None:
+        if accuracy_reward not in names:
+            raise ValueError(f"accuracy_reward={accuracy_reward!r} is not among the reward functions {names}")
+        col = rewards[:, names.index(accuracy_reward)]
+        correct = int((torch.nan_to_num(col, nan=0.0) >= 1.0 - 1e-6).sum())
+        summary["accuracy"] = correct / n
+        summary["accuracy_ci95"] = list(wilson_interval(correct, n))
+        summary["correct"] = correct
+    if "format" in names:
+        summary["format_rate"] = float((torch.nan_to_num(rewards[:, names.index("format")]) > 0).float().mean())
+    return summary
+
+
+def _as_text(completion: Any) -> str:
+    """A multi-turn completion (its messages, tool calls included) as one readable text for reports."""
+    if not isinstance(completion, list):
+        return str(completion)
+    lines = []
+    for m in completion:
+        calls = [c.get("function", c) for c in m.get("tool_calls") or []]
+        shown = " ".join(f"{c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls)
+        lines.append(f"[{m.get('role')}] {m.get('content') or ''}{' → ' + shown if shown else ''}")
+    return "\n".join(lines)
 
 
 def _nanmean(x: torch.Tensor) -> float | None:

@@ -25,6 +25,10 @@ JOB_KEYS = {
     "task": "a built-in task name (see `grpokit tasks`)",
     "dataset": "a local JSONL/Parquet/CSV file with prompt and answer columns",
     "reward_funcs": "built-in reward names or module:function (default: the task's)",
+    "tools": "functions the model may call, as module:function or file.py:function (added to the task's)",
+    "environment": "one environment per rollout: module:Class, or a mapping of names to them (an 'environment' column "
+                   "picks one per row)",
+    "chat_template": "a Jinja chat template file, or chatml-tools (grpokit's ChatML with tools, for SmolLM2)",
     "lora": "LoRA settings: r, alpha, dropout, target_modules (default all-linear)",
     "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true)",
     "time_budget_s": "stop training after this many seconds of training wall time",
@@ -164,6 +168,7 @@ def prepare(spec: dict[str, Any]):
 def _prepare(spec: dict[str, Any]):
     from .rewards import check_reward_weights, get_reward_func, reward_func_name
     from .tasks import get_task
+    from .tools import MultiTurn, check_tools
 
     job, cfg_kwargs = split_spec(spec)
     cfg_kwargs.setdefault("output_dir", "runs/grpokit")
@@ -178,7 +183,15 @@ def _prepare(spec: dict[str, Any]):
         names = job["reward_funcs"]
         names = [names] if isinstance(names, str) else names
         reward_funcs = [get_reward_func(n) for n in names]
-    check_reward_weights(config.reward_weights, [reward_func_name(f) for f in reward_funcs])
+    tools, environment = _multiturn_parts(job, task)
+    if job.get("chat_template") is not None:
+        task.chat_template = chat_template_text(job["chat_template"])  # the job's template over the task's
+    multiturn = None
+    if tools or environment is not None:
+        multiturn = MultiTurn(check_tools(tools), environment, config.max_tool_calling_iterations,
+                              config.chat_template_kwargs)
+    check_reward_weights(config.reward_weights, [reward_func_name(f) for f in reward_funcs + (
+        multiturn.reward_funcs() if multiturn is not None else [])])
     if str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no":
         raise JobError(f"eval_strategy={str(getattr(config.eval_strategy, 'value', config.eval_strategy))!r} is not "
                        "allowed in a job: use 'no' (the job's 'eval' section evaluates before and after training)")
@@ -198,7 +211,37 @@ def _prepare(spec: dict[str, Any]):
     budget = job.get("time_budget_s")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         raise JobError(f"time_budget_s={budget!r} is not allowed: expected a positive number of seconds")
-    return job, config, task, reward_funcs, lora, ev
+    return job, config, task, reward_funcs, lora, ev, multiturn
+
+
+def _multiturn_parts(job: dict[str, Any], task) -> tuple[list, Any]:
+    """The job's tools (the task's and the YAML's) and its environment factory (the YAML's, else the task's)."""
+    from .imports import import_object
+
+    specs = job.get("tools") or []
+    specs = [specs] if isinstance(specs, str) else specs
+    if not isinstance(specs, list) or not all(isinstance(t, str) for t in specs):
+        raise JobError(f"tools={job.get('tools')!r} is not allowed: expected module:function or a list of them")
+    tools = list(task.tools) + [import_object(t, "tools") for t in specs]
+    env = job.get("environment")
+    if env is None:
+        return tools, task.environment_factory
+    if isinstance(env, str):
+        return tools, import_object(env, "environment")
+    if isinstance(env, dict) and env and all(isinstance(v, str) for v in env.values()):
+        return tools, {str(k): import_object(v, f"environment.{k}") for k, v in env.items()}
+    raise JobError(f"environment={env!r} is not allowed: expected module:Class or a mapping of names to them")
+
+
+def chat_template_text(spec: str) -> str:
+    """The job's ``chat_template``: grpokit's tool-capable ChatML (``chatml-tools``) or a template file's text."""
+    from .tools import CHATML_TOOLS_TEMPLATE
+
+    if spec == "chatml-tools":
+        return CHATML_TOOLS_TEMPLATE
+    if not isinstance(spec, str) or not Path(spec).expanduser().is_file():
+        raise JobError(f"chat_template={spec!r} is not allowed: expected chatml-tools or a Jinja template file")
+    return Path(spec).expanduser().read_text()
 
 
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
@@ -248,7 +291,7 @@ class _JobRun:
 
     def __init__(self, spec: dict[str, Any], *, quiet: bool, resume: str | None):
         self.wall_start = time.perf_counter()
-        self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev = prepare(spec)
+        self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev, self.multiturn = prepare(spec)
         self.quiet, self.resume = quiet, resume
         self.main = self.config.process_index == 0
         self.out = Path(self.config.output_dir)
@@ -298,7 +341,18 @@ class _JobRun:
 
         name, trust = self.job["model"], self.config.trust_remote_code
         try:
-            return load_model(name, trust_remote_code=trust), load_tokenizer(name, trust_remote_code=trust)
+            tokenizer = load_tokenizer(name, trust_remote_code=trust)
+        except (OSError, ValueError, ImportError) as e:
+            raise JobError(f"model {name!r} could not be loaded: {e}") from None
+        if self.task.chat_template is not None:
+            tokenizer.chat_template = self.task.chat_template
+        if self.multiturn is not None:  # before the weights load: a wrong template fails fast
+            try:
+                self.multiturn.check_template(tokenizer)
+            except ValueError as e:
+                raise JobError(f"{e} (in a job: chat_template: chatml-tools, or a template file)") from None
+        try:
+            return load_model(name, trust_remote_code=trust), tokenizer
         except (OSError, ValueError, ImportError) as e:
             raise JobError(f"model {name!r} could not be loaded: {e}") from None
 
@@ -307,7 +361,7 @@ class _JobRun:
         own measure."""
         from .rewards import reward_func_name
 
-        funcs = list(self.reward_funcs)
+        funcs = list(self.reward_funcs) + (self.multiturn.reward_funcs() if self.multiturn is not None else [])
         if self.task.accuracy_reward not in [reward_func_name(f) for f in funcs]:
             funcs += [f for f in self.task.reward_funcs if f.__name__ == self.task.accuracy_reward]
         return funcs
@@ -318,7 +372,8 @@ class _JobRun:
         ev, c = self.ev, self.config
         return evaluate(model, tokenizer, self.task.eval_dataset, eval_funcs, accuracy_reward=self.task.accuracy_reward,
                         max_new_tokens=int(ev["max_new_tokens"]), greedy=bool(ev["greedy"]), temperature=c.temperature,
-                        n=int(ev["n"]), max_prompt_length=c.max_prompt_length, gather=c.ds3_gather_for_generation)
+                        n=int(ev["n"]), max_prompt_length=c.max_prompt_length, gather=c.ds3_gather_for_generation,
+                        multiturn=self.multiturn, max_completion_length=c.max_completion_length)
 
     def _evaluate_before(self, model, tokenizer, eval_funcs, resume_path):
         """The held-out evaluation before training; a resumed run reads the one its first run measured."""
@@ -350,9 +405,12 @@ class _JobRun:
         from .trainer import GRPOTrainer
 
         budget = self.job.get("time_budget_s")
-        trainer = GRPOTrainer(model, self.reward_funcs, args=self.config, train_dataset=self.task.train_dataset,
+        mt = self.multiturn
+        trainer = GRPOTrainer(model, self.reward_funcs or None, args=self.config, train_dataset=self.task.train_dataset,
                               processing_class=tokenizer,
-                              peft_config=lora_config(self.lora) if self.lora is not None else None)
+                              peft_config=lora_config(self.lora) if self.lora is not None else None,
+                              tools=mt.tools if mt is not None else None,
+                              environment_factory=mt.environments.factory if mt is not None and mt.environments else None)
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
         trainer.add_callback(MetricsJsonlCallback(str(self.out)))

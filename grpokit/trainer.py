@@ -38,11 +38,12 @@ from .data import GroupRepeatIterable, GroupRepeatSampler, check_dataset, check_
 from .files import atomic_write_text
 from .logprobs import completion_logps
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
-from .rollout.base import Generation, SamplingParams
+from .rollout.base import Generation, SamplingParams, context_length, stop_token_ids
 from .rollout.dynamic_sampling import fill_with_informative_groups
 from .rollout.sample import ScoredSamples, sample_and_score
 from .rollout.transformers_backend import TransformersRollout
 from .sharding import full_weights, sharding_kind, weights_for_generation
+from .tools import TurnLimits
 
 logger = logging.getLogger("grpokit")
 
@@ -81,7 +82,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs: Any,
+        reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -89,18 +90,29 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         reward_processing_classes=None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers=(None, None),
-        peft_config=None,
-        rollout_backend=None,
         quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+        *,
+        rollout_backend=None,
     ):
         model_id = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
         if args is None:
             args = GRPOConfig(output_dir=f"{str(model_id).rstrip('/').split('/')[-1]}-GRPO")
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a grpokit.GRPOConfig, got {type(args).__name__}")
+        self.multiturn = _multiturn(tools, environment_factory, args)  # tools checked before a model is loaded
+        if rollout_func is not None and not callable(rollout_func):
+            raise ValueError(f"rollout_func={rollout_func!r:.80} is not callable; expected rollout_func(prompts, trainer)")
+        self.rollout_func = rollout_func
+        train_dataset = _default_dataset(train_dataset, environment_factory, args)
         _check_datasets(args, train_dataset, eval_dataset)
         transformers.set_seed(args.seed)  # before the model and its adapter are made: LoRA's init is random
         model, processing_class = _load_policy(model, model_id, processing_class, args, quantization_config)
+        if self.multiturn is not None:
+            self.multiturn.check_template(processing_class)
         self.ref_model = None
         if peft_config is not None:
             model = _add_adapter(model, peft_config, args)
@@ -148,16 +160,26 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                 self.reward_funcs[i] = self.accelerator.prepare_model(func.eval(), evaluation_mode=True)
 
     def _setup_rewards(self, reward_funcs, reward_processing_classes, args: GRPOConfig) -> None:
-        self.reward_funcs = resolve_reward_funcs(reward_funcs)
+        extra = self.multiturn.reward_funcs() if self.multiturn is not None else []  # environments' get_reward
+        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            if not extra:
+                raise ValueError("no reward source: pass reward_funcs, or an environment_factory whose environments "
+                                 "have a get_reward() method")
+            user = []
+        else:
+            user = resolve_reward_funcs(reward_funcs)
+        check_reward_weights(args.reward_weights, [reward_func_name(f) for f in user])
+        self.reward_funcs = user + extra
         if reward_processing_classes is None:
-            reward_processing_classes = [None] * len(self.reward_funcs)
+            reward_processing_classes = [None] * len(user)
         elif not isinstance(reward_processing_classes, (list, tuple)):
             reward_processing_classes = [reward_processing_classes]
-        if len(reward_processing_classes) != len(self.reward_funcs):
+        if len(reward_processing_classes) != len(user):
             raise ValueError(
                 f"reward_processing_classes has {len(reward_processing_classes)} entries for "
-                f"{len(self.reward_funcs)} reward functions"
+                f"{len(user)} reward functions"
             )
+        reward_processing_classes = list(reward_processing_classes) + [None] * len(extra)
         self.reward_processing_classes = []
         for func, proc in zip(self.reward_funcs, reward_processing_classes):
             if isinstance(func, torch.nn.Module) and proc is None:
@@ -170,8 +192,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                 config.pad_token_id = proc.pad_token_id
             self.reward_processing_classes.append(proc)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
-        check_reward_weights(args.reward_weights, self.reward_func_names)
-        weights = list(args.reward_weights or [1.0] * len(self.reward_funcs))
+        weights = list(args.reward_weights or [1.0] * len(user)) + [1.0] * len(extra)
         if args.overlong_buffer_length is not None:
             weights.append(1.0)  # the overlong penalty enters as one more reward column
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
@@ -317,13 +338,16 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                                                       if a.cache_implementation else {}),
         )
 
-    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, mode: str) -> Generation:
+    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, mode: str,
+                  max_new_tokens: int | None = None) -> Generation:
         """Sample one completion per row with the current policy: an engine with its own copy of the weights (vLLM)
         gets them pushed first when they changed; otherwise the trainer's model generates (sharded weights gathered
         as ``ds3_gather_for_generation`` says)."""
         wrapped = self.model_wrapped if self.model_wrapped is not None else self.model
         unwrapped = self.accelerator.unwrap_model(self.model)
         params = self._sampling_params(mode)
+        if max_new_tokens is not None:
+            params.max_new_tokens = max_new_tokens
         holds = getattr(self.rollout, "holds_weights", False)
         if self._synced_step != self.state.global_step:  # the weights changed since the sampler last saw them
             with full_weights(wrapped) if holds else contextlib.nullcontext():
@@ -344,34 +368,53 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         return self._finish_batch(samples, mode)
 
     def _score_rows(self, rows: list[dict], mode: str, generate=None, logs: dict | None = None) -> ScoredSamples:
-        """Generate one completion per row and score it; DAPO's overlong penalty joins the rewards as one more
-        column. Local to this process (no collective), so it can run any number of times per batch. ``logs``: where
-        metrics and reward-function logs go instead of the trainer's (a producer thread's batch keeps its own)."""
+        """Generate one completion per row (with ``rollout_func``, or the rollout backend and, with tools, the
+        multi-turn loop) and score it; DAPO's overlong penalty joins the rewards as one more column. Local to this
+        process (no collective), so it can run any number of times per batch. ``generate(ids, mask, max_new_tokens)``
+        replaces the trainer's own sampling (a producer's copy); ``logs``: where metrics and reward-function logs go
+        instead of the trainer's (a producer thread's batch keeps its own)."""
         a = self.args
-        generate = generate or (lambda ids, mask: self._generate(ids, mask, mode))
+        generate = generate or (lambda ids, mask, max_new_tokens=None: self._generate(ids, mask, mode, max_new_tokens))
+        logs = logs if logs is not None else {"metrics": [], "reward_metrics": self._pending_reward_metrics}
         extra: dict[str, list] = defaultdict(list)
-        reward_metrics = logs["reward_metrics"] if logs is not None else self._pending_reward_metrics
         reward_kwargs = {
             "trainer_state": self.state,
-            "log_metric": lambda name, value: reward_metrics.setdefault(str(name), []).append(float(value)),
+            "log_metric": lambda name, value: logs["reward_metrics"].setdefault(str(name), []).append(float(value)),
             "log_extra": lambda column, values: extra[str(column)].extend(list(values)),
         }
+        limits = TurnLimits(stop_token_ids(self.model, self.processing_class), a.max_completion_length,
+                            context_length(self.model))
         s = sample_and_score(rows, self.processing_class, generate, self.reward_funcs, self.reward_processing_classes,
                              chat_template_kwargs=a.chat_template_kwargs, max_prompt_length=a.max_prompt_length,
-                             device=self.accelerator.device, reward_kwargs=reward_kwargs)
+                             device=self.accelerator.device, reward_kwargs=reward_kwargs, multiturn=self.multiturn,
+                             limits=limits, first_turn=self._rollout_func_turn if self.rollout_func is not None else None)
+        if s.tool_calls is not None:
+            logs["metrics"] += [("tools/call_frequency", s.tool_calls / len(rows)),
+                                ("tools/failure_frequency", s.tool_failures / s.tool_calls if s.tool_calls else 0.0)]
         s.extra_columns = {k: (list(v) + [None] * len(rows))[:len(rows)] for k, v in extra.items()}
         if s.n_truncated_prompts:
-            value = s.n_truncated_prompts / len(rows)
-            if logs is not None:
-                logs["metrics"].append(("prompts/truncated_frac", value))
-            else:
-                self.record_metric("prompts/truncated_frac", value, mode)
+            logs["metrics"].append(("prompts/truncated_frac", s.n_truncated_prompts / len(rows)))
+        if logs.get("reward_metrics") is self._pending_reward_metrics:  # the trainer's own: record now
+            for name, value in logs["metrics"]:
+                self.record_metric(name, value, mode)
         if a.overlong_buffer_length is not None:
             lengths = s.generation.completion_mask.sum(1)
             penalty = overlong_penalty(lengths, a.max_completion_length, a.overlong_buffer_length,
                                        a.overlong_penalty_factor)
             s.rewards = torch.cat([s.rewards, penalty.unsqueeze(1).to(s.rewards)], 1)
         return s
+
+    def _rollout_func_turn(self, rows: list[dict], tools_per_row) -> tuple:
+        """The prompts and first replies from ``rollout_func`` (TRL's contract); its extra fields join the rows."""
+        from .rollout.custom import call_rollout_func, merge_fields
+
+        prepared, generation, fields = call_rollout_func(
+            self.rollout_func, [r.get("prompt") for r in rows], self, self.processing_class,
+            stop_token_ids(self.model, self.processing_class), use_logprobs=self.args.use_vllm,
+            has_tools=self.multiturn is not None and self.multiturn.has_tools)
+        device = self.accelerator.device
+        prepared.ids, prepared.mask = prepared.ids.to(device), prepared.mask.to(device)
+        return prepared, generation, merge_fields(rows, fields)
 
     def _fill_informative(self, samples: ScoredSamples, mode: str) -> ScoredSamples:
         """DAPO dynamic sampling (:mod:`grpokit.rollout.dynamic_sampling`), prompts for extra rounds drawn from
@@ -408,24 +451,27 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         (asynchronous rollouts)."""
         a, device = self.args, self.accelerator.device
         self._flush_reward_logs(mode)
-        completion_ids = s.generation.completion_ids.to(device)
-        completion_mask = s.generation.completion_mask.to(device)
-        truncated = s.generation.is_truncated.to(device)
+        gen = s.generation
+        completion_mask = gen.completion_mask.to(device)
+        truncated = gen.is_truncated.to(device)
         rewards_local = s.rewards.to(device)
-        lengths_local = completion_mask.sum(1)
         rewards, result, advantages = self._advantages(rewards_local, mode)
         if a.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
         batch = RolloutBatch(
-            prompt_ids=s.prompt_ids.to(device), prompt_mask=s.prompt_mask.to(device), completion_ids=completion_ids,
-            completion_mask=completion_mask, advantages=advantages,
-            num_items_in_batch=self.accelerator.gather(completion_mask.sum().reshape(1)).sum(),
-            sampler_logps=s.generation.sampler_logps.to(device) if s.generation.sampler_logps is not None else None,
+            prompt_ids=s.prompt_ids.to(device), prompt_mask=s.prompt_mask.to(device),
+            completion_ids=gen.completion_ids.to(device), completion_mask=completion_mask, advantages=advantages,
+            num_items_in_batch=torch.zeros(()),
+            sampler_logps=gen.sampler_logps.to(device) if gen.sampler_logps is not None else None,
+            tool_mask=gen.tool_mask.to(device) if gen.tool_mask is not None else None,
         )
+        batch.num_items_in_batch = self.accelerator.gather(batch.loss_mask.sum().reshape(1)).sum()
         if behaviour_logps is not None:
             batch.old_logps = behaviour_logps.to(device)
         self._add_behaviour_logps(batch, mode)
-        self._log_rollout_metrics(mode, rewards, result, lengths_local, truncated, s.prompt_mask, completion_mask)
+        lengths_local = (gen.completion_mask if gen.tool_mask is None else gen.completion_mask * gen.tool_mask).sum(1)
+        self._log_rollout_metrics(mode, rewards, result, lengths_local.to(device), truncated, s.prompt_mask,
+                                  batch.loss_mask)
         self._remember_samples(s, advantages, rewards_local)
         return batch
 
@@ -473,10 +519,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             return
         if a.vllm_importance_sampling_correction:
             batch.sampler_ratio = sampler_importance_ratio(
-                batch.old_logps, batch.sampler_logps, batch.completion_mask.float(), a.vllm_importance_sampling_mode,
+                batch.old_logps, batch.sampler_logps, batch.loss_mask.float(), a.vllm_importance_sampling_mode,
                 a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max,
             )
-        valid = batch.completion_mask.bool()
+        valid = batch.loss_mask.bool()
         gap = (batch.old_logps - batch.sampler_logps)[valid].abs()
         gap = gap[~torch.isnan(gap)]  # tokens the sampler could not score
         zero = gap.new_zeros(())
@@ -484,7 +530,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self.record_metric("sampling/sampling_logp_difference/max", gap.max() if gap.numel() else zero, mode)
         if batch.sampler_ratio is not None:
             rho = batch.sampler_ratio
-            rho = (rho.expand_as(batch.completion_mask)[valid] if rho.shape[-1] != 1 else rho.flatten()).float()
+            rho = (rho.expand_as(valid)[valid] if rho.shape[-1] != 1 else rho.flatten()).float()
             for stat in ("min", "mean", "max"):
                 value = getattr(rho, stat)() if rho.numel() else rho.new_zeros(())
                 self.record_metric(f"sampling/importance_sampling_ratio/{stat}", value, mode)
@@ -544,7 +590,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             raise ValueError("GRPOTrainer.compute_loss does not return outputs")
         a = self.args
         mode = "train" if self.model.training else "eval"
-        mask = inputs.completion_mask.float()
+        mask = inputs.loss_mask.float()
         aux = [] if self.router_aux_loss_coef else None
         logps, entropies = completion_logps(
             model, inputs.prompt_ids, inputs.prompt_mask, inputs.completion_ids, inputs.completion_mask,
@@ -806,3 +852,35 @@ def _router_aux_loss_coef(model, args: GRPOConfig) -> float:
         raise ValueError(f"router_aux_loss_coef={coef!r} is not allowed: {type(base).__name__} is not a "
                          "Mixture-of-Experts model that returns router logits; leave it None")
     return float(coef) if is_moe else 0.0
+
+
+def _multiturn(tools, environment_factory, args: GRPOConfig):
+    """The trainer's tools and environments (None without either); checked before any model is loaded."""
+    from .tools import MultiTurn, check_tools
+
+    tools = check_tools(tools)
+    if not tools and environment_factory is None:
+        if args.max_tool_calling_iterations is not None:
+            logger.warning("max_tool_calling_iterations=%s has no effect without tools or an environment_factory",
+                           args.max_tool_calling_iterations)
+        return None
+    return MultiTurn(tools, environment_factory, args.max_tool_calling_iterations, args.chat_template_kwargs)
+
+
+def _default_dataset(train_dataset, environment_factory, args: GRPOConfig):
+    """Without a train_dataset, an environment that makes its own prompts trains on empty user turns (one
+    generation batch of them, repeated), as in TRL; anything else needs a dataset."""
+    if train_dataset is not None:
+        return train_dataset
+    if environment_factory is None:
+        return None
+    if isinstance(environment_factory, dict):
+        raise ValueError("a dict environment_factory (several environments) needs a train_dataset with an "
+                         "'environment' column saying which one each prompt uses")
+    if args.max_steps <= 0:
+        raise ValueError(f"max_steps={args.max_steps!r} is not allowed without a train_dataset: set max_steps to a "
+                         "positive number of optimizer steps (the environment makes the prompts)")
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] *
+                                        (args.generation_batch_size // args.num_generations)})

@@ -32,12 +32,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_model(tokenizer=None, seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True) -> LlamaForCausalLM:
+def tiny_model(tokenizer=None, seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True,
+               max_positions: int = 512) -> LlamaForCausalLM:
     tokenizer = tokenizer or tiny_tokenizer()
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tie,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=tie,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
     )
     model = LlamaForCausalLM(cfg)

@@ -3,7 +3,6 @@ the names rewards are logged under. The one place reward functions are looked up
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -64,18 +63,9 @@ def get_reward_func(name_or_spec: str | RewardFunc) -> RewardFunc:
             f"Unknown reward function {spec!r}. Built-ins: {', '.join(list_reward_funcs())}; "
             f"or give 'module:function' for your own."
         )
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"Reward spec {spec!r} must look like 'package.module:function'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"Reward spec {spec!r}: cannot import module {module_name!r} ({error}).") from error
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"Reward spec {spec!r}: module {module_name!r} has no attribute {attr!r}.")
-        obj = getattr(obj, part)
+    from ..imports import import_object
+
+    obj = import_object(spec, "reward_funcs")
     if not callable(obj):
         raise ValueError(f"Reward spec {spec!r} names {type(obj).__name__} object, not a function.")
     return obj

@@ -42,6 +42,11 @@ class Generation:
     """(N,) True where no EOS was produced within ``max_new_tokens``."""
     sampler_logps: torch.Tensor | None = None
     """(N, C) log-probs of the sampled tokens under the sampler, when it is not the trainer's model."""
+    tool_mask: torch.Tensor | None = None
+    """(N, C) 1 for tokens the model generated, 0 for tokens it did not (tool results of a multi-turn rollout);
+    None when every valid token is the model's."""
+    messages: list | None = None
+    """Per row, the completion as chat messages (a multi-turn rollout's replies and tool turns); None: decode it."""
 
 
 class RolloutBackend(Protocol):
@@ -72,3 +77,22 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -
     positions = torch.arange(c, device=completion_ids.device).expand(n, -1)
     mask = (positions <= first.unsqueeze(1)).long()
     return mask, ~has_eos
+
+
+def stop_token_ids(model: torch.nn.Module | None, tokenizer) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the model's (generation config and config)."""
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.extend(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def context_length(model: torch.nn.Module | None) -> int | None:
+    """The most positions the model takes (its config's ``max_position_embeddings``), when it says."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "max_position_embeddings", None)

@@ -34,6 +34,9 @@ class ScoredSamples:
     n_truncated_prompts: int
     extra_columns: dict[str, list] = field(default_factory=dict)
     """Per-row columns reward functions logged with ``log_extra`` (for the completions table)."""
+    tool_calls: int | None = None
+    """Multi-turn rollouts: the tool calls made (None: no tools); ``tool_failures`` of them failed."""
+    tool_failures: int = 0
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -50,7 +53,8 @@ class ScoredSamples:
 
         g = self.generation
         gen = Generation(completion_ids=take(g.completion_ids), completion_mask=take(g.completion_mask),
-                         is_truncated=take(g.is_truncated), sampler_logps=take(g.sampler_logps))
+                         is_truncated=take(g.is_truncated), sampler_logps=take(g.sampler_logps),
+                         tool_mask=take(g.tool_mask), messages=pick(g.messages) if g.messages is not None else None)
         return ScoredSamples(prompts=pick(self.prompts), prompt_texts=pick(self.prompt_texts),
                              prompt_ids=take(self.prompt_ids), prompt_mask=take(self.prompt_mask), generation=gen,
                              completion_texts=pick(self.completion_texts), completions=pick(self.completions),
@@ -69,9 +73,15 @@ class ScoredSamples:
         sampler = None
         if all(g.sampler_logps is not None for g in gens):
             sampler = _cat_padded([g.sampler_logps for g in gens], 0.0, left=False)
+        tool_mask = None
+        if any(g.tool_mask is not None for g in gens):  # rows without one: every token the model's
+            tool_mask = _cat_padded([g.tool_mask if g.tool_mask is not None else torch.ones_like(g.completion_mask)
+                                     for g in gens], 1, left=False)
+        messages = [m for p in parts for m in p.completions] if any(g.messages is not None for g in gens) else None
         gen = Generation(completion_ids=_cat_padded([g.completion_ids for g in gens], pad_id, left=False),
                          completion_mask=_cat_padded([g.completion_mask for g in gens], 0, left=False),
-                         is_truncated=torch.cat([g.is_truncated for g in gens]), sampler_logps=sampler)
+                         is_truncated=torch.cat([g.is_truncated for g in gens]), sampler_logps=sampler,
+                         tool_mask=tool_mask, messages=messages)
         columns = {k for p in parts for k in p.extra_columns}
         extra = {k: [x for p in parts for x in p.extra_columns.get(k, [None] * len(p))] for k in columns}
         return ScoredSamples(prompts=cat("prompts"), prompt_texts=cat("prompt_texts"),
@@ -91,10 +101,57 @@ def _cat_padded(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
     return torch.cat(padded)
 
 
+@dataclass
+class PreparedPrompts:
+    prompts: list
+    texts: list[str]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    n_truncated: int
+
+
+def prepare_prompts(rows: list[dict], tokenizer, *, chat_template_kwargs: dict | None = None,
+                    max_prompt_length: int | None = None, device: torch.device | str | None = None,
+                    tools_per_row: list[list] | None = None) -> PreparedPrompts:
+    """The rows' prompts through the chat template (with each row's tools, when given), tokenised, left-padded and
+    left-truncated to ``max_prompt_length``."""
+    prompts = [r["prompt"] for r in rows]
+    conversational = [is_conversational(p) for p in prompts]
+    texts = [prompt_text(p, tokenizer, chat_template_kwargs, tools=tools_per_row[i] if tools_per_row else None)
+             for i, p in enumerate(prompts)]
+    ids, mask, n_cut = tokenize_prompts(texts, tokenizer, max_prompt_length, tokenizer.pad_token_id, conversational)
+    if device is not None:
+        ids, mask = ids.to(device), mask.to(device)
+    return PreparedPrompts(prompts=prompts, texts=texts, ids=ids, mask=mask, n_truncated=n_cut)
+
+
+def score_generation(rows: list[dict], prepared: PreparedPrompts, generation: Generation, tokenizer,
+                     reward_funcs: list, reward_processing_classes: list | None = None, *,
+                     reward_kwargs: dict[str, Any] | None = None) -> ScoredSamples:
+    """Decode one completion per row and score it with every reward function (TRL's calling convention; the rows'
+    other columns and ``reward_kwargs`` are passed by name). A multi-turn completion (``generation.messages``) reaches
+    the reward functions as its list of messages."""
+    id_lists = [row[m.bool()].tolist() for row, m in zip(generation.completion_ids, generation.completion_mask)]
+    decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
+    if generation.messages is not None:
+        completions = generation.messages
+    else:
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                       for t, p in zip(decoded, prepared.prompts)]
+    rewards = score_completions(
+        reward_funcs, reward_processing_classes or [None] * len(reward_funcs), prompts=prepared.prompts,
+        completions=completions, completion_ids=id_lists, rows=rows, **(reward_kwargs or {}),
+    )
+    return ScoredSamples(prompts=prepared.prompts, prompt_texts=prepared.texts, prompt_ids=prepared.ids,
+                         prompt_mask=prepared.mask, generation=generation, completion_texts=decoded,
+                         completions=completions, completion_id_lists=id_lists, rewards=rewards,
+                         n_truncated_prompts=prepared.n_truncated)
+
+
 def sample_and_score(
     rows: list[dict],
     tokenizer,
-    generate: Callable[[torch.Tensor, torch.Tensor], Generation],
+    generate: Callable[..., Generation],
     reward_funcs: list,
     reward_processing_classes: list | None = None,
     *,
@@ -102,25 +159,35 @@ def sample_and_score(
     max_prompt_length: int | None = None,
     device: torch.device | str | None = None,
     reward_kwargs: dict[str, Any] | None = None,
+    multiturn=None,
+    limits=None,
+    first_turn: Callable | None = None,
 ) -> ScoredSamples:
-    """Tokenise the rows' prompts (left-padded, left-truncated to ``max_prompt_length``), sample one completion per
-    row with ``generate(prompt_ids, prompt_mask)``, decode, and score with every reward function (TRL's calling
-    convention; the rows' other columns and ``reward_kwargs`` are passed by name)."""
-    prompts = [r["prompt"] for r in rows]
-    conversational = [is_conversational(p) for p in prompts]
-    texts = [prompt_text(p, tokenizer, chat_template_kwargs) for p in prompts]
-    prompt_ids, prompt_mask, n_cut = tokenize_prompts(texts, tokenizer, max_prompt_length, tokenizer.pad_token_id,
-                                                      conversational)
-    if device is not None:
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    generation = generate(prompt_ids, prompt_mask)
-    id_lists = [row[m.bool()].tolist() for row, m in zip(generation.completion_ids, generation.completion_mask)]
-    decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
-    completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(decoded, conversational)]
-    rewards = score_completions(
-        reward_funcs, reward_processing_classes or [None] * len(reward_funcs), prompts=prompts,
-        completions=completions, completion_ids=id_lists, rows=rows, **(reward_kwargs or {}),
-    )
-    return ScoredSamples(prompts=prompts, prompt_texts=texts, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                         generation=generation, completion_texts=decoded, completions=completions,
-                         completion_id_lists=id_lists, rewards=rewards, n_truncated_prompts=n_cut)
+    """One completion per row, scored: :func:`prepare_prompts`, ``generate(prompt_ids, prompt_mask,
+    max_new_tokens=None)``, then :func:`score_generation`.
+
+    With ``multiturn`` (a :class:`grpokit.tools.MultiTurn`; ``limits`` its :class:`grpokit.tools.TurnLimits`) every
+    row first gets its environment (reset with the row) and its tools in the prompt, and replies that call tools
+    continue through the tool loop; reward functions get the environments. ``first_turn(rows, tools_per_row)``
+    replaces the first step, returning ``(prepared, generation, rows)`` (the trainer's ``rollout_func``)."""
+    reward_kwargs = dict(reward_kwargs or {})
+    session = multiturn.prepare(rows) if multiturn is not None else None
+    if session is not None:
+        rows = session.rows
+        if session.environments is not None:
+            reward_kwargs["environments"] = session.environments
+    tools_per_row = session.tools_per_row if session is not None else None
+    if first_turn is not None:
+        prepared, generation, rows = first_turn(rows, tools_per_row)
+    else:
+        prepared = prepare_prompts(rows, tokenizer, chat_template_kwargs=chat_template_kwargs,
+                                   max_prompt_length=max_prompt_length, device=device, tools_per_row=tools_per_row)
+        generation = generate(prepared.ids, prepared.mask)
+    calls = failures = None
+    if session is not None and multiturn.has_tools:
+        turns = multiturn.loop(generate, prepared.ids, prepared.mask, generation, session, tokenizer, limits)
+        generation, calls, failures = turns.generation, turns.calls, turns.failures
+    scored = score_generation(rows, prepared, generation, tokenizer, reward_funcs, reward_processing_classes,
+                              reward_kwargs=reward_kwargs)
+    scored.tool_calls, scored.tool_failures = calls, failures or 0
+    return scored

@@ -7,18 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..prefix import accepts_cache, encode_once_per_group, group_size
-from .base import Generation, SamplingParams, completion_mask_from_eos
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.extend(eos if isinstance(eos, (list, tuple)) else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
+from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
 
 
 def _merge_lora(model: torch.nn.Module) -> bool:
@@ -60,7 +49,7 @@ class TransformersRollout:
         self.share_prompt_prefill = share_prompt_prefill
 
     def generation_config(self, model: torch.nn.Module, params: SamplingParams) -> GenerationConfig:
-        eos = _eos_ids(model, self.tokenizer)
+        eos = stop_token_ids(model, self.tokenizer)
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
             do_sample=params.do_sample,

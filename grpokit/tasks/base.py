@@ -27,6 +27,9 @@ class Task:
         accuracy_reward: ``__name__`` of the 0/1 reward among ``reward_funcs`` whose mean is the
             task's accuracy (``"correctness"``).
         description: one paragraph for people: what is asked and how it is scored.
+        tools: functions the model may call (multi-turn tasks), as ``GRPOTrainer(tools=...)`` takes them.
+        environment_factory: one environment per rollout, as ``GRPOTrainer(environment_factory=...)`` takes it.
+        chat_template: a chat template the task needs (e.g. one that renders tools), set on the tokenizer.
     """
 
     name: str
@@ -36,6 +39,9 @@ class Task:
     accuracy_reward: str
     description: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[Callable] = field(default_factory=list)
+    environment_factory: Any = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         names = [f.__name__ for f in self.reward_funcs]

@@ -84,19 +84,23 @@ def test_bad_files(tmp_path, capsys):
     assert "does not exist" in err and "not valid YAML" in err and "must hold a mapping" in err
 
 
-def test_examples_parse_and_validate():
-    """Every shipped example config passes validation (nothing is loaded)."""
+def test_examples_parse_and_validate(monkeypatch):
+    """Every shipped example config passes validation (nothing is loaded), run from the repository root as the
+    examples say."""
     from pathlib import Path
 
     from grpokit.job import prepare
 
-    root = Path(__file__).resolve().parents[2] / "examples"
-    files = sorted(root.glob("*.yaml"))
-    assert len(files) >= 7
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    files = sorted((root / "examples").glob("*.yaml"))
+    assert len(files) >= 9
     for f in files:
         spec = yaml.safe_load(f.read_text())
-        job, config, task, rewards, lora, ev = prepare(spec)
+        job, config, task, rewards, lora, ev, multiturn = prepare(spec)
         assert job["model"] and rewards
+        if "tools" in f.name or f.stem in ("calculator", "guess"):
+            assert multiturn is not None and multiturn.has_tools
 
 
 def test_eval_command(tiny_dir, capsys):
