@@ -41,9 +41,6 @@ CHOICE_FIELDS: dict[str, Any] = {
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "log_completions_hub_repo": None,
     "vllm_structured_outputs_regex": None,
-    "sync_ref_model": False,
-    "cast_lm_head_to_fp32": False,
-    "log_unique_prompts": False,
 }
 
 

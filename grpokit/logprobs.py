@@ -261,7 +261,8 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
     hidden = hidden[valid]  # projected in the autocast dtype under autocast, else the head's (chunked_head.py)
     lp_v, ent_v = linear_logps_and_entropy(hidden, head.weight, completion_ids[valid], head.bias,
                                            temperature=temperature, compute_entropy=compute_entropy,
-                                           entropy_grad=entropy_grad)
+                                           entropy_grad=entropy_grad,
+                                           dtype=torch.float32 if getattr(head, "grpokit_fp32", False) else None)
     zeros = lp_v.new_zeros(valid.shape)
     return zeros.masked_scatter(valid, lp_v), (zeros.masked_scatter(valid, ent_v) if compute_entropy else None)
 

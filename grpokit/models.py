@@ -375,3 +375,30 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
             str(name_or_path),
         )
     return tokenizer
+
+
+def _fp32_linear_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
+    """``cast_lm_head_to_fp32`` (ScaleRL, arXiv 2510.13786; TRL's field): the LM head's weight in float32 and its
+    matmul run in float32 whatever the trunk's dtype or autocast, so logits (and log-prob ratios) carry no bf16
+    rounding. A head tied to the input embeddings is shared: the embedding's outputs are cast back to the trunk's
+    dtype. A head carrying a PEFT adapter cannot be cast (an error says so)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(f"cast_lm_head_to_fp32=True needs a plain linear LM head; this model's is "
+                         f"{type(head).__name__} (a PEFT adapter on lm_head? remove lm_head from its target modules)")
+    import types
+
+    trunk_dtype = head.weight.dtype
+    head.float()
+    head.forward = types.MethodType(_fp32_linear_forward, head)  # bound: a deep copy of the model binds its own head
+    head.grpokit_fp32 = True  # the chunked log-prob head reads it (grpokit/logprobs.py)
+    embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    if embed is not None and embed.weight is head.weight and trunk_dtype != torch.float32:
+        embed.register_forward_hook(lambda module, args, output: output.to(trunk_dtype))

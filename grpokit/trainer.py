@@ -35,8 +35,10 @@ from .callbacks import TrainerHooks
 from .checkpoints import CheckpointingMixin, load_rollout_buffer, save_rollout_buffer
 from .config import GRPOConfig
 from .data import GroupRepeatIterable, GroupRepeatSampler, check_dataset, check_prompt_count, is_iterable_dataset
-from .files import atomic_write_text
+from .files import atomic_write_bytes, atomic_write_text
 from .logprobs import completion_logps
+from .models import cast_lm_head_to_fp32
+from .reference import check_sync_ref_model, load_reference, mix_into_reference, save_reference
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.base import Generation, SamplingParams, context_length, stop_token_ids
 from .rollout.dynamic_sampling import fill_with_informative_groups
@@ -118,6 +120,11 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             model = _add_adapter(model, peft_config, args)
         elif args.beta != 0.0:  # a PeftModel passed in: its adapter as it is now is the reference (TRL's "ref" copy)
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        check_sync_ref_model(args, peft=_is_peft(model), sharding=None)
+        if args.cast_lm_head_to_fp32:
+            for m in (model, self.ref_model):
+                if m is not None:
+                    cast_lm_head_to_fp32(m)
         _keep_4bit_layers_trainable(model)
         self._setup_rewards(reward_funcs, reward_processing_classes, args)
         self.loss_settings = LossSettings.from_config(args)
@@ -204,7 +211,11 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         then follows the same schedule) and the adaptive entropy controller."""
         self._rollouts.reset(state.global_step * self.args.gradient_accumulation_steps)
         self._total_tokens = int(state.num_input_tokens_seen or 0)
+        if self.args.sync_ref_model:
+            check_sync_ref_model(self.args, peft=False, sharding=sharding_kind(self.model_wrapped or self.model))
         if self._resume_checkpoint:
+            if self.args.sync_ref_model:
+                load_reference(self.accelerator.unwrap_model(self.ref_model), self._resume_checkpoint)
             load_rollout_buffer(self._rollouts, self._resume_checkpoint, self.accelerator.device,
                                 self.args.process_index, self.args.world_size)
             path = os.path.join(self._resume_checkpoint, ENTROPY_STATE_FILE)
@@ -222,13 +233,20 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             self._async.close()
 
     def after_optimizer_step(self, state) -> None:
-        """Asynchronous rollouts get the new weights (every ``weight_sync_steps`` steps)."""
+        """The reference takes its share of the policy (``sync_ref_model``, every ``ref_model_sync_steps`` steps);
+        asynchronous rollouts get the new weights (every ``weight_sync_steps`` steps)."""
+        a = self.args
+        if a.sync_ref_model and state.global_step % a.ref_model_sync_steps == 0:
+            unwrap = self.accelerator.unwrap_model
+            mix_into_reference(unwrap(self.model), unwrap(self.ref_model), a.ref_model_mixup_alpha)
         if self._async is not None:
             self._async.after_step(state)
 
     def _save_trainer_state(self, checkpoint_dir: str) -> None:
         """What a checkpoint needs beyond transformers' files (called by the checkpoint writer)."""
         save_rollout_buffer(self._rollouts, checkpoint_dir, self.args.process_index, self.args.world_size)
+        if self.args.sync_ref_model and self.args.should_save:
+            save_reference(self.accelerator.unwrap_model(self.ref_model), checkpoint_dir)
         if self._entropy_ctrl is not None and self.args.should_save:
             atomic_write_text(os.path.join(checkpoint_dir, ENTROPY_STATE_FILE),
                               json.dumps(self._entropy_ctrl.state_dict()))
@@ -692,6 +710,27 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             s = self._last_samples
             log_completions_table(s["prompt"], s["completion"], s["rewards"], s["advantage"], self.state.global_step,
                                   max_rows=self.args.num_completions_to_print or 8, extra=s["extra"])
+            self._save_completions(s)
+            self._last_samples = None  # shown once: the end-of-training summary log does not repeat it
+
+    def _save_completions(self, s: dict[str, Any]) -> None:
+        """As TRL: ``output_dir/completions/completions_<step>.parquet``, and a ``completions`` table to wandb when it
+        is a reporting target (one row per prompt with ``log_unique_prompts``)."""
+        import io
+
+        from .reporting.tables import completions_frame
+
+        frame = completions_frame(self.state.global_step, s["prompt"], s["completion"], s["rewards"], s["advantage"],
+                                  s["extra"], unique_prompts=self.args.log_unique_prompts)
+        buffer = io.BytesIO()
+        frame.to_parquet(buffer)
+        atomic_write_bytes(os.path.join(self.args.output_dir, "completions",
+                                        f"completions_{self.state.global_step:05d}.parquet"), buffer.getvalue())
+        if "wandb" in (self.args.report_to or []):
+            import wandb
+
+            if wandb.run is not None:
+                wandb.log({"completions": wandb.Table(dataframe=frame)})
 
 
 def _load_policy(model, model_id, processing_class, args: GRPOConfig, quantization_config=None):

@@ -65,3 +65,19 @@ def log_completions_table(prompts: Sequence[Any], completions: Sequence[Any], re
         table.add_row(*row)
     (console or Console()).print(table)
     return table
+
+
+def completions_frame(step: int, prompts: Sequence[Any], completions: Sequence[Any], rewards: dict[str, Sequence[float]],
+                      advantages: Sequence[float], extra: dict[str, Sequence[Any]] | None = None, *,
+                      unique_prompts: bool = False):
+    """The completions table as TRL logs it (a pandas DataFrame: step, prompt, completion, one column per reward
+    function and per ``extra`` column, advantage); ``unique_prompts``: the first row of each prompt only."""
+    import pandas as pd
+
+    n = len(completions)
+    table = {"step": [step] * n, "prompt": [as_text(p) for p in prompts], "completion": [as_text(c) for c in completions]}
+    table.update({str(k): _seq(v) for k, v in (rewards or {}).items()})
+    table.update({str(k): [as_text(x) if x is not None else None for x in _seq(v)] for k, v in (extra or {}).items()})
+    table["advantage"] = _seq(advantages)
+    frame = pd.DataFrame(table)
+    return frame[~frame["prompt"].duplicated()] if unique_prompts else frame

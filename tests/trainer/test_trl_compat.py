@@ -249,10 +249,14 @@ def test_report_to_wandb_offline(tmp_path, monkeypatch):
         return real_log(self, data, *a, **k)
 
     monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", spy)
-    trainer = GRPOTrainer(tiny_model(tiny_tokenizer()), varied_reward, args=make_args(tmp_path, report_to="wandb"),
-                          train_dataset=chat_dataset(), processing_class=tiny_tokenizer())
+    args = make_args(tmp_path, report_to="wandb", log_completions=True, log_unique_prompts=True)
+    trainer = GRPOTrainer(tiny_model(tiny_tokenizer()), varied_reward, args=args, train_dataset=chat_dataset(),
+                          processing_class=tiny_tokenizer())
     trainer.train()
     wandb.finish()
+    tables = [d["completions"] for d in logged if "completions" in d]
+    assert len(tables) == 2 and all(len(t.data) == 1 for t in tables)  # one prompt × 4 completions: one row
+    assert {"step", "prompt", "completion", "varied_reward", "advantage"} <= set(tables[0].columns)
     assert len(list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
     steps = [d for d in logged if "train/reward" in d]
     assert len(steps) == 2 and all({"train/entropy", "train/completions/mean_length", "train/loss"} <= set(d)

@@ -1,0 +1,72 @@
+"""The reference policy π_ref of the KL term (``beta > 0``) when it moves: TR-DPO's soft update
+(``sync_ref_model``, Gorbatovski et al., arXiv 2404.09656), as TRL 1.16 applies it to GRPO.
+
+Every ``ref_model_sync_steps`` optimizer steps::
+
+    π_ref ← α · π_θ + (1 − α) · π_ref        (α = ref_model_mixup_alpha, parameter by parameter)
+
+α = 1 copies the policy (a hard update). The reference's weights go into every checkpoint
+(``grpokit_reference.safetensors``) so a resumed run continues from the same reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+REFERENCE_FILE = "grpokit_reference.safetensors"
+
+
+@torch.no_grad()
+def mix_into_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
+    """``reference ← alpha · policy + (1 − alpha) · reference`` for every parameter, in place (same architecture,
+    same parameter order; each tensor in its own dtype)."""
+    pairs = list(zip(reference.parameters(), policy.parameters(), strict=True))
+    for ref, pol in pairs:
+        if ref.shape != pol.shape:
+            raise ValueError(f"the reference and the policy differ in shape ({tuple(ref.shape)} vs {tuple(pol.shape)})")
+        ref.mul_(1.0 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)
+
+
+def check_sync_ref_model(args, peft: bool, sharding: str | None) -> None:
+    """``sync_ref_model`` needs a reference model of its own: ``beta`` > 0, no PEFT adapter (its reference is the
+    base model with the adapter off), and whole weights on each process."""
+    if not args.sync_ref_model:
+        return
+    if args.beta == 0.0:
+        raise ValueError("sync_ref_model=True needs beta > 0: with beta=0.0 there is no reference model to update "
+                         "(set beta, or sync_ref_model=False)")
+    if peft:
+        raise ValueError("sync_ref_model=True is not supported with a PEFT adapter: its reference is the base model with "
+                         "the adapter disabled, not a model of its own (use full fine-tuning, or sync_ref_model=False)")
+    if sharding is not None:
+        raise ValueError(f"sync_ref_model=True is not supported with sharded weights ({sharding}) yet: use DDP or one "
+                         "process, or sync_ref_model=False")
+
+
+def save_reference(reference: torch.nn.Module, directory: str) -> None:
+    """The reference's parameters (tied ones once) into ``directory``."""
+    from safetensors.torch import save
+
+    from .files import atomic_write_bytes
+
+    state = {name: p.detach().contiguous().cpu() for name, p in reference.named_parameters()}
+    atomic_write_bytes(os.path.join(directory, REFERENCE_FILE), save(state))
+
+
+def load_reference(reference: torch.nn.Module, checkpoint: str) -> bool:
+    """The reference's weights from ``checkpoint`` when it holds them; returns whether it did."""
+    path = os.path.join(checkpoint, REFERENCE_FILE)
+    if not os.path.isfile(path):
+        return False
+    from safetensors.torch import load_file
+
+    saved = load_file(path, device=str(next(reference.parameters()).device))
+    params = dict(reference.named_parameters())
+    if set(saved) != set(params):
+        raise ValueError(f"{path} does not hold this reference model's parameters (different model?)")
+    with torch.no_grad():
+        for name, value in saved.items():
+            params[name].copy_(value)
+    return True
