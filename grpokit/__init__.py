@@ -10,10 +10,12 @@ _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
 )
 
-from .algorithms import compute_advantages, policy_loss  # noqa: E402
 
+def __getattr__(name):  # heavy imports (torch, transformers) only when asked for: `grpokit --help` stays fast
+    if name in ("compute_advantages", "policy_loss"):
+        from . import algorithms
 
-def __getattr__(name):  # heavy imports (transformers) only when asked for
+        return getattr(algorithms, name)
     if name == "GRPOConfig":
         from .config import GRPOConfig
 

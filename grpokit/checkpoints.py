@@ -24,51 +24,43 @@ scheduler, RNG state) are read back by transformers 5 with ``torch.load(..., wei
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
-import struct
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from .batch import RolloutBuffer
 from .callbacks.interrupt import GracefulInterrupt
+from .file_checks import check_json as _check_json
+from .file_checks import check_safetensors as _check_safetensors
+from .file_checks import check_torch_save as _check_torch_save
 from .files import fsync_tree, publish_directory
+from .run_dir import (
+    CheckpointError,
+    RunDirLock,
+    check_signature,
+    claim_output_dir,
+    latest_checkpoint,
+)
 
 logger = logging.getLogger("grpokit")
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _PARTIAL_RE = re.compile(r"^checkpoint-\d+\.(tmp|old)-(\w+)$")
 ROLLOUTS_FILE = "grpokit_rollouts.safetensors"
 _INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint sentinel
 _TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from; the message names the file and what is wrong with it."""
+class DiskFullError(OSError):
+    """The device ran out of space while grpokit wrote; the message says what was (not) written and what is intact."""
 
 
 # -- finding and checking checkpoints ----------------------------------------------------------------------------
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoint directories (``checkpoint-<step>``) in ``output_dir``, oldest step first. Unfinished
-    ``checkpoint-N.tmp-*`` directories are never listed."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint with the highest step in ``output_dir``, or None."""
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
-
-
 def resolve_resume(resume: str | os.PathLike | bool | None, output_dir: str | os.PathLike) -> str | None:
     """What to resume from: ``None``/``False`` → nothing; ``"auto"`` → the latest checkpoint in ``output_dir``, or
     nothing when there is none (a first run and its restarts can share one command line); ``True`` → the latest
@@ -142,55 +134,6 @@ def _deepspeed_weights(p: Path) -> bool:
         raise CheckpointError(f"{latest} names {tag.name!r}, which holds no model states: the DeepSpeed checkpoint "
                               "is incomplete")
     return True
-
-
-def _damaged(f: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"{f} is damaged: {what}; resume from an earlier checkpoint or delete this one")
-
-
-def _check_safetensors(f: Path) -> None:
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise _damaged(f, f"the file has {size} bytes, too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise _damaged(f, f"the header claims {n} bytes but the file has {size} (truncated)")
-        try:
-            header = json.loads(fh.read(n))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _damaged(f, f"the safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise _damaged(f, "the safetensors header is not a JSON object")
-    end = max((int(v["data_offsets"][1]) for k, v in header.items()
-               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
-    if 8 + n + end != size:
-        raise _damaged(f, f"the header promises {8 + n + end} bytes but the file has {size}"
-                          + (" (truncated)" if size < 8 + n + end else ""))
-
-
-def _check_json(f: Path) -> None:
-    try:
-        json.loads(f.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _damaged(f, f"not valid JSON ({e})") from None
-
-
-def _check_torch_save(f: Path) -> None:
-    """A ``torch.save`` file is a zip archive: its directory must be there and every entry must match its CRC-32
-    (``torch.load`` itself does not check them, so a flipped byte would load silently)."""
-    try:
-        with zipfile.ZipFile(f) as z:
-            size = f.stat().st_size
-            for info in z.infolist():
-                if info.header_offset + info.compress_size > size:
-                    raise _damaged(f, f"entry {info.filename!r} runs past the end of the file (truncated)")
-            bad = z.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        raise _damaged(f, f"not a readable torch.save archive ({e}; truncated?)") from None
-    if bad is not None:
-        raise _damaged(f, f"entry {bad!r} does not match its CRC-32 checksum")
 
 
 # -- writing checkpoints ----------------------------------------------------------------------------------------
@@ -283,10 +226,28 @@ class CheckpointingMixin:
     interrupt_checkpoint: str | None = None
     _resume_checkpoint: str | None = None
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, *,
+              force_resume: bool = False, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint`` also takes ``"auto"`` (the latest checkpoint in
-        ``output_dir``, or a fresh start when there is none), and is checked before anything is loaded."""
-        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        ``output_dir``, or a fresh start when there is none), and is checked before anything is loaded: a damaged
+        checkpoint, or one written with other settings (model, batch shape, generations, loss; ``force_resume``
+        accepts it), is refused. The output directory is locked while training runs, and a fresh run into a
+        directory holding an earlier run's checkpoints is refused unless ``overwrite_output_dir``
+        (grpokit/run_dir.py)."""
+        args = self.args
+        lock = RunDirLock(args.output_dir).acquire() if args.should_save else None
+        try:
+            resume = resolve_resume(resume_from_checkpoint, args.output_dir)
+            claim_output_dir(args.output_dir, resuming=resume is not None, overwrite=args.overwrite_output_dir,
+                             remove=args.should_save)
+            if resume is not None:
+                check_signature(self.run_signature(), resume, force_resume)
+            return self._train_guarded(resume, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train_guarded(self, resume: str | None, trial, ignore_keys_for_eval, **kwargs):
         self._resume_checkpoint = resume
         self.interrupted = None
         self.interrupt_checkpoint = None
@@ -321,22 +282,36 @@ class CheckpointingMixin:
             shutil.rmtree(staging, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         args.output_dir, args.save_total_limit = staging, None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            args.output_dir, args.save_total_limit = run_dir, limit
         written = os.path.join(staging, name)
-        if not args.save_only_model:
-            self._save_trainer_state(written)
-        best = self.state.best_model_checkpoint
-        if best and best.startswith(staging):  # transformers recorded the staging path: record the final one
-            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+        try:
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                args.output_dir, args.save_total_limit = run_dir, limit
+            if not args.save_only_model:
+                self._save_trainer_state(written)
+            best = self.state.best_model_checkpoint
+            if best and best.startswith(staging):  # transformers recorded the staging path: record the final one
+                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+                if args.should_save:
+                    self.state.save_to_json(os.path.join(written, "trainer_state.json"))
+            self.accelerator.wait_for_everyone()
             if args.should_save:
-                self.state.save_to_json(os.path.join(written, "trainer_state.json"))
-        self.accelerator.wait_for_everyone()
+                fsync_tree(written)
+                publish_directory(written, final)
+        except OSError as e:  # a full disk, a quota: nothing half-written stays, earlier checkpoints are untouched
+            shutil.rmtree(staging, ignore_errors=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                previous = latest_checkpoint(run_dir)
+                raise DiskFullError(
+                    f"no space left on the device of {run_dir!r} while saving {name}: it was not written (nothing "
+                    f"half-written is left); {f'{previous.name} is intact' if previous else 'no earlier checkpoint'}. "
+                    "Free some space, then resume") from e
+            raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         if args.should_save:
-            fsync_tree(written)
-            publish_directory(written, final)
             shutil.rmtree(staging, ignore_errors=True)
             from transformers.trainer_utils import rotate_checkpoints
 

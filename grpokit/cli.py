@@ -9,6 +9,7 @@ training finishes the current step, saves a checkpoint and exits with 128 + the 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -50,10 +51,28 @@ def _parse_set(pairs: list[str]) -> dict[str, Any]:
     out = {}
     for pair in pairs:
         if "=" not in pair:
-            raise JobError(f"--set {pair!r} is not key=value")
+            raise JobError(f"--set {_short(pair)} is not key=value")
         key, value = pair.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value) if value != "" else None
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value != "" else None
+        except yaml.YAMLError as e:
+            raise JobError(f"--set {_short(pair)}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
+                           "e.g. --set 'key=\"text\"'") from None
     return out
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _yaml_problem(error) -> str:
+    """What a YAML error says, with its line and column (1-based)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context = getattr(error, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
 def _unique_key_loader():
@@ -80,11 +99,17 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
     p = Path(path)
     if not p.is_file():
-        raise JobError(f"config file {path!r} does not exist")
+        raise JobError(f"config file {path!r} does not exist" if not p.exists() else f"config file {path!r} is not a file")
     try:
-        data = yaml.load(p.read_text(), Loader=_unique_key_loader())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise JobError(f"config file {path!r} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    except OSError as e:
+        raise JobError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+    try:
+        data = yaml.load(text, Loader=_unique_key_loader())
     except yaml.YAMLError as e:
-        raise JobError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise JobError(f"config file {path!r} is not valid YAML: {_yaml_problem(e)}") from None
     if data is None:
         raise JobError(f"config file {path!r} is empty")
     if not isinstance(data, dict):
@@ -99,15 +124,33 @@ def cmd_train(ns: argparse.Namespace) -> int:
     spec.update(_parse_set(ns.set or []))
     if ns.output_dir:
         spec["output_dir"] = ns.output_dir
-    run_job(spec, quiet=ns.quiet, resume=ns.resume)
+    run_job(spec, quiet=ns.quiet, resume=ns.resume, overwrite=ns.overwrite, force_resume=ns.force,
+            config_dir=Path(ns.config).parent)
     return 0
 
 
-def cmd_demo(ns: argparse.Namespace) -> int:
-    from .job import algorithms, run_job
+def _free_demo_dir(base: str = "runs/demo") -> str:
+    """``runs/demo``, or the first of ``runs/demo-2``, ``-3``, ... that no earlier run occupies: the demo never
+    replaces an earlier demo's results unless told where to write (``--output-dir``) and to ``--overwrite``."""
+    from .run_dir import earlier_run
 
+    candidate, n = base, 1
+    while earlier_run(candidate, job_outputs=True):
+        n += 1
+        candidate = f"{base}-{n}"
+    return candidate
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from .job import JobError, algorithms, run_job
+
+    recipes = algorithms()
+    if ns.algo not in recipes:
+        raise JobError(f"--algo {_short(ns.algo)} is not allowed: expected one of {', '.join(recipes)}")
     spec = dict(DEMO_SPEC)
-    spec.update(algorithms()[ns.algo])
+    spec.update(recipes[ns.algo])
+    if ns.output_dir is None:
+        ns.output_dir = "runs/demo" if ns.resume else _free_demo_dir()
     spec["output_dir"] = ns.output_dir
     if ns.time_budget is not None:
         spec["time_budget_s"] = ns.time_budget
@@ -120,32 +163,76 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     spec.update(_parse_set(ns.set or []))
     print(f"grpokit demo: {ns.algo} on SmolLM2-135M-Instruct (LoRA), task 'arithmetic', "
           f"training for at most {spec['time_budget_s']} s → {ns.output_dir}", flush=True)
-    run_job(spec, quiet=ns.quiet, resume=ns.resume)
+    run_job(spec, quiet=ns.quiet, resume=ns.resume, overwrite=ns.overwrite, force_resume=ns.force)
     return 0
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from .evaluation import evaluate
-    from .job import JobError
-    from .models import load_tokenizer
+    from .job import JobError, _eval_line
     from .tasks import get_task
 
     try:
         task = get_task(ns.task)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, TypeError) as e:
         raise JobError(str(e)) from None
     if task.eval_dataset is None:
         raise JobError(f"task {ns.task!r} has no held-out split")
-    model = _load_for_eval(ns.model)
-    tok = load_tokenizer(ns.tokenizer or _tokenizer_source(ns.model))
-    summary, samples = evaluate(model, tok, task.eval_dataset, task.reward_funcs, accuracy_reward=task.accuracy_reward,
-                                n=ns.n, max_new_tokens=ns.max_new_tokens, greedy=not ns.sample)
-    from .job import _eval_line
+    model, tok = _load_for_eval(ns.model, ns.tokenizer)
+    multiturn = None
+    if task.tools or task.environment_factory is not None:
+        from .tools import MultiTurn
 
+        if task.chat_template is not None:
+            tok.chat_template = task.chat_template
+        multiturn = MultiTurn(task.tools, task.environment_factory, 2)
+        multiturn.check_template(tok)
+    from .evaluation import evaluate
+
+    summary, samples = evaluate(model, tok, task.eval_dataset, task.reward_funcs, accuracy_reward=task.accuracy_reward,
+                                n=ns.n, max_new_tokens=ns.max_new_tokens, greedy=not ns.sample, multiturn=multiturn,
+                                max_completion_length=2 * ns.max_new_tokens if multiturn is not None else None)
     print(_eval_line(ns.model, summary))
     if ns.json:
         print(json.dumps(summary, indent=2))
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: expected a positive integer")
+    return value
+
+
+def _load_for_eval(path: str, tokenizer: str | None):
+    """The model (a run's ``final/`` adapter on its base model, or a model) and its tokenizer; every loading
+    problem is one line naming the model."""
+    from .job import JobError
+    from .models import check_model_source, load_model, load_tokenizer
+
+    try:
+        check_model_source(path)
+        cfg = Path(path) / "adapter_config.json"
+        base = None
+        if cfg.is_file():
+            base = json.loads(cfg.read_text()).get("base_model_name_or_path")
+            if not base:
+                raise ValueError(f"adapter {path!r} does not name its base model (base_model_name_or_path in "
+                                 "adapter_config.json); load the base model and the adapter in Python")
+            check_model_source(base)
+        tok = load_tokenizer(tokenizer or _tokenizer_source(path))
+        if base is None:
+            return load_model(path).eval(), tok
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(load_model(base), path).eval(), tok
+    except JobError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any loading failure is one line naming the model
+        raise JobError(f"model {path!r} could not be loaded: {type(e).__name__}: {_one_line(e)}") from None
 
 
 def _tokenizer_source(model_path: str) -> str:
@@ -157,18 +244,6 @@ def _tokenizer_source(model_path: str) -> str:
     return model_path
 
 
-def _load_for_eval(path: str):
-    from .models import load_model
-
-    cfg = Path(path) / "adapter_config.json"
-    if cfg.is_file():
-        from peft import PeftModel
-
-        base = json.loads(cfg.read_text()).get("base_model_name_or_path")
-        return PeftModel.from_pretrained(load_model(base), path).eval()
-    return load_model(path).eval()
-
-
 def cmd_tasks(ns: argparse.Namespace) -> int:
     from .job import algorithms
     from .tasks import list_tasks
@@ -178,10 +253,21 @@ def cmd_tasks(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .job import algorithms
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (``grpokit: error: ...``, exit 2) like every other user error, and no
+    abbreviated flags (``--resum`` is a typo, not ``--resume``)."""
 
-    p = argparse.ArgumentParser(prog="grpokit", description="GRPO-family RL fine-tuning of language models.")
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        print(f"grpokit: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="grpokit", description="GRPO-family RL fine-tuning of language models.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train from a YAML config (every GRPOConfig field, plus model/task/...)")
@@ -192,26 +278,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", nargs="?", const="auto", metavar="PATH|auto",
                    help="continue from a checkpoint directory, or 'auto' (the default when the flag has no value): "
                         "the latest checkpoint in output_dir, or a fresh start when there is none")
+    _run_dir_flags(t)
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="train the embedded SmolLM2-135M on arithmetic (CPU, ~10 minutes)")
-    d.add_argument("--algo", choices=list(algorithms()), default="grpo")
-    d.add_argument("--output-dir", default="runs/demo")
+    d.add_argument("--algo", default="grpo", help="an algorithm recipe (default grpo; `grpokit tasks` lists them)")
+    d.add_argument("--output-dir", help="default: runs/demo, or runs/demo-2, -3, ... when an earlier demo is there")
     d.add_argument("--time-budget", type=float, help="seconds of training (default 540)")
-    d.add_argument("--max-steps", type=int)
-    d.add_argument("--eval-n", type=int, help="held-out prompts evaluated before and after (default 128)")
+    d.add_argument("--max-steps", type=_positive_int)
+    d.add_argument("--eval-n", type=_positive_int, help="held-out prompts evaluated before and after (default 128)")
     d.add_argument("--seed", type=int)
     d.add_argument("--set", action="append", metavar="KEY=VALUE")
     d.add_argument("--quiet", action="store_true")
     d.add_argument("--resume", nargs="?", const="auto", metavar="PATH|auto",
                    help="continue an interrupted demo from its latest checkpoint (or PATH)")
+    _run_dir_flags(d)
     d.set_defaults(func=cmd_demo)
 
     e = sub.add_parser("eval", help="mean reward and accuracy (95%% CI) of a model on a task's held-out prompts")
     e.add_argument("--model", required=True, help="model id, directory, or a run's final/ adapter directory")
     e.add_argument("--task", required=True)
-    e.add_argument("-n", type=int, default=128)
-    e.add_argument("--max-new-tokens", type=int, default=48)
+    e.add_argument("-n", type=_positive_int, default=128)
+    e.add_argument("--max-new-tokens", type=_positive_int, default=48)
     e.add_argument("--sample", action="store_true", help="sample at temperature 0.7 instead of greedy")
     e.add_argument("--tokenizer")
     e.add_argument("--json", action="store_true")
@@ -222,8 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_dir_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run in output_dir (its checkpoints, final model, report, metrics)")
+    p.add_argument("--force", action="store_true",
+                   help="with --resume: continue even though the model, batch shape, generations or loss changed")
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split" bars
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -235,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from .job import JobError, TrainingInterrupted
+    from .job_spec import JobError, TrainingInterrupted
 
     try:
         return ns.func(ns)
@@ -250,13 +347,28 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:
         print(f"grpokit: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) and type(e).__name__ != "DiskFullError":
+            raise
+        if type(e).__name__ == "DiskFullError":  # a checkpoint: the message says what is intact
+            print(f"grpokit: error: {_one_line(e)} (with --resume)", file=sys.stderr)
+            return 1
+        where = f" (writing {e.filename})" if e.filename else ""
+        print(f"grpokit: error: no space left on device{where}; files grpokit writes are replaced whole or not at all, "
+              "so nothing half-written is left: free some space, then continue with --resume", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("grpokit: interrupted", file=sys.stderr)
         return 130
 
 
+MAX_MESSAGE = 600
+"""Characters of an error message the CLI prints: a value echoed in it (a multi-MB string) never floods the screen."""
+
+
 def _one_line(error: BaseException) -> str:
-    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 40] + f" ... [{len(text)} characters]"
 
 
 if __name__ == "__main__":

@@ -210,6 +210,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     log_completions: bool = field(default=False, metadata=_meta("Print a table of sample completions."))
     log_multimodal: bool = field(default=True, metadata=_meta("Log images of multimodal prompts."))
     num_completions_to_print: int | None = field(default=None, metadata=_meta("Rows of that table."))
+    overwrite_output_dir: bool = field(default=False, metadata=_meta(
+        "Let a fresh run replace an earlier run's checkpoints in output_dir (otherwise refused)."))
     log_unique_prompts: bool = field(default=False, metadata=_meta("One row per prompt in that table."))
     log_completions_hub_repo: str | None = field(default=None, metadata=_meta("Not supported yet."))
     use_transformers_continuous_batching: bool = field(
@@ -404,6 +406,9 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("max_grad_norm", 0)
         check.number("num_train_epochs", 0)
         check.number("seed", 0, 2**32 - 1, integer=True)
+        steps = self.max_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or (steps < 1 and steps != -1):
+            raise check.bad("max_steps", "expected a positive number of steps, or -1 (train for num_train_epochs)")
         if str(getattr(self.save_strategy, "value", self.save_strategy)) == "steps":
             check.number("save_steps", 0, lo_open=True)
         if str(getattr(self.logging_strategy, "value", self.logging_strategy)) == "steps":

@@ -11,6 +11,11 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                 "environments")
+"""Keywords a reward function receives from the trainer (grpokit/rewards/scoring.py); a dataset column may not use
+these names."""
+
 
 def check_prompt_count(num_prompts: int, prompts_per_batch: int, how: str = "generation_batch_size / "
                        "num_generations") -> None:
@@ -155,6 +160,7 @@ def check_dataset(name: str, dataset) -> None:
         columns = getattr(dataset, "column_names", None)
         if columns and "prompt" not in columns:
             raise ValueError(f"{name} has no 'prompt' column (columns: {', '.join(map(str, columns))}); add one")
+        check_column_names(name, columns)
         return
     columns = getattr(dataset, "column_names", None)
     if columns is None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and len(dataset):
@@ -164,3 +170,13 @@ def check_dataset(name: str, dataset) -> None:
         raise ValueError(f"{name} is empty; it needs at least one prompt")
     if columns is not None and "prompt" not in columns:
         raise ValueError(f"{name} has no 'prompt' column (columns: {', '.join(map(str, columns))}); add one")
+    check_column_names(name, columns)
+
+
+def check_column_names(name: str, columns) -> None:
+    """A column named like a keyword reward functions already receive (``completions``, ``prompts``, ...) would
+    reach them twice: an error naming it."""
+    clash = sorted(set(map(str, columns or [])) & set(CALL_KEYWORDS))
+    if clash:
+        raise ValueError(f"{name} has column(s) {clash} named like keywords reward functions receive from the trainer "
+                         f"({', '.join(CALL_KEYWORDS)}); rename them")

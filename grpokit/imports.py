@@ -8,8 +8,32 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+_config_dirs: list[Path] = []
+
+
+@contextmanager
+def beside_config(directory: str | Path | None) -> Iterator[None]:
+    """While active, module names and relative ``.py`` paths that are not found from the current directory are
+    looked up in ``directory`` too (the config file's folder: ``grpokit train configs/job.yaml`` finds
+    ``configs/my_rewards.py`` from anywhere)."""
+    if directory is None:
+        yield
+        return
+    _config_dirs.append(Path(directory).resolve())
+    try:
+        yield
+    finally:
+        _config_dirs.pop()
+
+
+def _where() -> str:
+    places = [str(Path.cwd())] + [str(d) for d in _config_dirs if d != Path.cwd()]
+    return " and ".join(dict.fromkeys(places))
 
 
 def import_object(spec: str, field: str) -> Any:
@@ -30,11 +54,17 @@ def import_object(spec: str, field: str) -> Any:
 
 
 def _load_module(name: str, field: str, spec: str):
-    cwd = str(Path.cwd())
-    if cwd not in sys.path:
-        sys.path.append(cwd)
+    for d in [Path.cwd(), *_config_dirs]:
+        if str(d) not in sys.path:
+            sys.path.append(str(d))
     try:
         return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and name != e.name and not name.startswith(f"{e.name}."):
+            # the module was found but imports something missing: that is its own error, not a lookup problem
+            raise ValueError(f"{field}={spec!r}: importing {name!r} failed: {e}") from None
+        raise ValueError(f"{field}={spec!r}: cannot import module {name!r} (no {name.replace('.', '/')}.py or package "
+                         f"in {_where()}, nor installed); or name a file: path/to/file.py:name") from None
     except ImportError as e:
         raise ValueError(f"{field}={spec!r}: cannot import module {name!r} ({e})") from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while running: one line naming it
@@ -42,9 +72,12 @@ def _load_module(name: str, field: str, spec: str):
 
 
 def _load_file(path: str, field: str, spec: str):
-    file = Path(path).expanduser().resolve()
+    file = Path(path).expanduser()
+    if not file.is_absolute() and not file.is_file():
+        file = next((d / file for d in _config_dirs if (d / file).is_file()), file)
+    file = file.resolve()
     if not file.is_file():
-        raise ValueError(f"{field}={spec!r}: no file {path!r} (relative paths start at {Path.cwd()})")
+        raise ValueError(f"{field}={spec!r}: no file {path!r} (relative paths are looked up in {_where()})")
     key = f"grpokit_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
     if key in sys.modules:
         return sys.modules[key]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import enum
 import json
 import logging
@@ -14,26 +13,13 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .config import CHOICE_FIELDS, GRPOConfig
 from .files import atomic_write_text
-from .reporting._util import jsonable
+from .job_spec import JOB_KEYS, JobError, TrainingInterrupted, check_lora, split_spec
+from .validation import short_repr
+
+__all__ = ["JOB_KEYS", "JobError", "TrainingInterrupted", "algorithms", "prepare", "run_job"]
 
 logger = logging.getLogger("grpokit")
-
-JOB_KEYS = {
-    "model": "model id, local directory, .gguf file, or smollm2-135m-instruct (the embedded model)",
-    "task": "a built-in task name (see `grpokit tasks`)",
-    "dataset": "a local JSONL/Parquet/CSV file with prompt and answer columns",
-    "reward_funcs": "built-in reward names or module:function (default: the task's)",
-    "tools": "functions the model may call, as module:function or file.py:function (added to the task's)",
-    "environment": "one environment per rollout: module:Class, or a mapping of names to them (an 'environment' column "
-                   "picks one per row)",
-    "chat_template": "a Jinja chat template file, or chatml-tools (grpokit's ChatML with tools, for SmolLM2)",
-    "lora": "LoRA settings: r, alpha, dropout, target_modules (default all-linear)",
-    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true)",
-    "time_budget_s": "stop training after this many seconds of training wall time",
-    "task_args": "extra keyword arguments for the task (e.g. seed, n_eval)",
-}
 
 def algorithms() -> dict[str, dict[str, Any]]:
     """Named recipes: the GRPOConfig fields that make each algorithm (``grpokit demo --algo NAME``), from the loss
@@ -43,22 +29,9 @@ def algorithms() -> dict[str, dict[str, Any]]:
     return recipes()
 
 
-class JobError(ValueError):
-    """A wrong job spec: the CLI prints it in one line and exits 2."""
-
-
-class TrainingInterrupted(Exception):
-    """Training stopped on SIGINT/SIGTERM after saving a checkpoint; the CLI exits with 128 + the signal number."""
-
-    def __init__(self, signum: int, checkpoint: str | None, step: int):
-        import signal
-
-        self.signum, self.checkpoint, self.step = signum, checkpoint, step
-        self.signal_name = signal.Signals(signum).name
-        super().__init__(f"interrupted by {self.signal_name} at step {step}; checkpoint: {checkpoint}")
-
-
 def config_fields() -> dict[str, dataclasses.Field]:
+    from .config import GRPOConfig
+
     return {f.name: f for f in dataclasses.fields(GRPOConfig) if f.init}
 
 
@@ -85,25 +58,27 @@ def coerce_value(name: str, value: Any, field: dataclasses.Field) -> Any:
             try:
                 number = float(value)
             except ValueError:
-                raise JobError(f"{name}={value!r} is not allowed: expected {t}") from None
+                raise JobError(f"{name}={short_repr(value)} is not allowed: expected {t}") from None
             return int(number) if "float" not in parts and number.is_integer() else number
     if parts <= {"bool", "None"} and not isinstance(value, bool):
-        raise JobError(f"{name}={value!r} is not allowed: expected true or false")
+        raise JobError(f"{name}={short_repr(value)} is not allowed: expected true or false")
     if parts <= {"int", "None"} and not isinstance(value, int):
-        raise JobError(f"{name}={value!r} is not allowed: expected an integer")
+        raise JobError(f"{name}={short_repr(value)} is not allowed: expected an integer")
     if parts <= {"float", "None"} and not isinstance(value, (int, float)):
-        raise JobError(f"{name}={value!r} is not allowed: expected a number")
+        raise JobError(f"{name}={short_repr(value)} is not allowed: expected a number")
+    from .config import CHOICE_FIELDS
+
     if parts <= {"str", "None"} and not isinstance(value, str) and name not in CHOICE_FIELDS:
-        raise JobError(f"{name}={value!r} is not allowed: expected a string")  # (choices: GRPOConfig lists them)
+        raise JobError(f"{name}={short_repr(value)} is not allowed: expected a string")  # (choices: GRPOConfig lists them)
     if any(p.startswith("dict") for p in parts) and not isinstance(value, dict) and not (
             "str" in parts and isinstance(value, str)):
-        raise JobError(f"{name}={value!r} is not allowed: expected a mapping (key: value)")
+        raise JobError(f"{name}={short_repr(value)} is not allowed: expected a mapping (key: value)")
     if any(p.startswith("list") for p in parts) and not isinstance(value, list) and not (
             "str" in parts and isinstance(value, str)):
-        raise JobError(f"{name}={value!r} is not allowed: expected a list")
+        raise JobError(f"{name}={short_repr(value)} is not allowed: expected a list")
     choices = _enum_values(field)
     if choices and not (isinstance(value, str) and value in choices):
-        raise JobError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, choices))}")
+        raise JobError(f"{name}={short_repr(value)} is not allowed: use one of {', '.join(map(repr, choices))}")
     return value
 
 
@@ -121,44 +96,15 @@ def _enum_values(field: dataclasses.Field) -> list[str]:
     return []
 
 
-def split_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Separate job keys from GRPOConfig fields, rejecting unknown keys with a suggestion."""
-    if not isinstance(spec, dict):
-        raise JobError(f"the config must be a mapping of field: value, got {type(spec).__name__}")
-    fields = config_fields()
-    job, cfg = {}, {}
-    for key, value in spec.items():
-        if key in JOB_KEYS:
-            job[key] = value
-        elif key in fields:
-            cfg[key] = coerce_value(key, value, fields[key])
-        else:
-            close = difflib.get_close_matches(str(key), list(fields) + list(JOB_KEYS), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise JobError(f"unknown config key {key!r}{hint} (GRPOConfig fields and: {', '.join(JOB_KEYS)})")
-    if "model" not in job:
-        raise JobError("the config has no 'model' (e.g. model: smollm2-135m-instruct)")
-    if ("task" in job) == ("dataset" in job):
-        raise JobError("the config needs exactly one of 'task' (a built-in task) or 'dataset' (a local file)")
-    for key in ("model", "task", "dataset"):
-        if key in job and (not isinstance(job[key], str) or not job[key].strip()):
-            raise JobError(f"{key}={job[key]!r} is not allowed: expected {JOB_KEYS[key]}, as a string")
-    for key in ("task_args", "eval"):
-        if job.get(key) is not None and not isinstance(job[key], dict):
-            raise JobError(f"{key}={job[key]!r} is not allowed: expected a mapping ({JOB_KEYS[key]})")
-    names = job.get("reward_funcs")
-    if names is not None and not (isinstance(names, str) or (
-            isinstance(names, list) and names and all(isinstance(n, str) for n in names))):
-        raise JobError(f"reward_funcs={names!r} is not allowed: expected a reward name or module:function, or a "
-                       "list of them")
-    return job, cfg
-
-
-def prepare(spec: dict[str, Any]):
+def prepare(spec: dict[str, Any], config_dir: str | Path | None = None):
     """Everything that can fail on bad input, before a model is loaded: config, task, reward functions.
-    Any such failure is a :class:`JobError`."""
+    Any such failure is a :class:`JobError`. ``config_dir``: the config file's folder, where user modules
+    (rewards, tools, environments) are also looked up."""
+    from .imports import beside_config
+
     try:
-        return _prepare(spec)
+        with beside_config(config_dir):
+            return _prepare(spec)
     except JobError:
         raise
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
@@ -166,11 +112,15 @@ def prepare(spec: dict[str, Any]):
 
 
 def _prepare(spec: dict[str, Any]):
+    job, raw = split_spec(spec)  # the spec's shape first: no heavy import before a typo is reported
+
+    from .config import GRPOConfig
     from .rewards import check_reward_weights, get_reward_func, reward_func_name
     from .tasks import get_task
     from .tools import MultiTurn, check_tools
 
-    job, cfg_kwargs = split_spec(spec)
+    fields = config_fields()
+    cfg_kwargs = {key: coerce_value(key, value, fields[key]) for key, value in raw.items()}
     cfg_kwargs.setdefault("output_dir", "runs/grpokit")
     config = GRPOConfig(**cfg_kwargs)
     task_args = dict(job.get("task_args") or {})
@@ -196,41 +146,50 @@ def _prepare(spec: dict[str, Any]):
         raise JobError(f"eval_strategy={str(getattr(config.eval_strategy, 'value', config.eval_strategy))!r} is not "
                        "allowed in a job: use 'no' (the job's 'eval' section evaluates before and after training)")
     lora = job.get("lora")
-    if lora is not None:
-        check_lora(lora)
     ev = {"n": 128, "before": True, "after": True, "max_new_tokens": config.max_completion_length, "greedy": True}
-    unknown = set(job.get("eval") or {}) - set(ev)
-    if unknown:
-        raise JobError(f"unknown eval key(s) {sorted(unknown)}; allowed: {sorted(ev)}")
-    for key, value in (job.get("eval") or {}).items():
-        if key in ("n", "max_new_tokens") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise JobError(f"eval.{key}={value!r} is not allowed: expected a positive integer")
-        if key in ("before", "after", "greedy") and not isinstance(value, bool):
-            raise JobError(f"eval.{key}={value!r} is not allowed: expected true or false")
     ev.update(job.get("eval") or {})
-    budget = job.get("time_budget_s")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
-        raise JobError(f"time_budget_s={budget!r} is not allowed: expected a positive number of seconds")
+    _check_before_loading(job, config, task)
     return job, config, task, reward_funcs, lora, ev, multiturn
 
 
+def _check_before_loading(job: dict[str, Any], config, task) -> None:
+    """What would otherwise fail only after the model loaded: the model's files, the output directory, the
+    dataset's size and column names, and ``model_init_kwargs``."""
+    from .data import check_column_names, check_prompt_count
+    from .models import check_model_source
+    from .run_dir import check_output_dir
+
+    check_model_source(job["model"])
+    check_output_dir(config.output_dir, create=False)
+    prompts = config.generation_batch_size // config.num_generations
+    check_prompt_count(len(task.train_dataset), prompts)
+    check_column_names("the task's dataset", task.train_dataset.column_names)
+    kwargs = config.model_init_kwargs or {}
+    unknown = sorted(set(kwargs) - MODEL_INIT_KWARGS)
+    if unknown:
+        raise JobError(f"model_init_kwargs {unknown} are not used by grpokit train; allowed: "
+                       f"{', '.join(sorted(MODEL_INIT_KWARGS))}")
+
+
+MODEL_INIT_KWARGS = {"dtype", "torch_dtype", "attn_implementation", "revision", "device_map", "low_cpu_mem_usage",
+                     "use_safetensors", "trust_remote_code"}
+"""``model_init_kwargs`` a job passes to the model loader (anything else is refused, never ignored)."""
+
+
 def _multiturn_parts(job: dict[str, Any], task) -> tuple[list, Any]:
-    """The job's tools (the task's and the YAML's) and its environment factory (the YAML's, else the task's)."""
+    """The job's tools (the task's and the YAML's) and its environment factory (the YAML's, else the task's); their
+    types were checked by :func:`grpokit.job_spec.check_job_keys`."""
     from .imports import import_object
 
     specs = job.get("tools") or []
     specs = [specs] if isinstance(specs, str) else specs
-    if not isinstance(specs, list) or not all(isinstance(t, str) for t in specs):
-        raise JobError(f"tools={job.get('tools')!r} is not allowed: expected module:function or a list of them")
     tools = list(task.tools) + [import_object(t, "tools") for t in specs]
     env = job.get("environment")
     if env is None:
         return tools, task.environment_factory
     if isinstance(env, str):
         return tools, import_object(env, "environment")
-    if isinstance(env, dict) and env and all(isinstance(v, str) for v in env.values()):
-        return tools, {str(k): import_object(v, f"environment.{k}") for k, v in env.items()}
-    raise JobError(f"environment={env!r} is not allowed: expected module:Class or a mapping of names to them")
+    return tools, {str(k): import_object(v, f"environment.{k}") for k, v in env.items()}
 
 
 def chat_template_text(spec: str) -> str:
@@ -240,31 +199,8 @@ def chat_template_text(spec: str) -> str:
     if spec == "chatml-tools":
         return CHATML_TOOLS_TEMPLATE
     if not isinstance(spec, str) or not Path(spec).expanduser().is_file():
-        raise JobError(f"chat_template={spec!r} is not allowed: expected chatml-tools or a Jinja template file")
+        raise JobError(f"chat_template={short_repr(spec)} is not allowed: expected chatml-tools or a Jinja template file")
     return Path(spec).expanduser().read_text()
-
-
-LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
-
-
-def check_lora(lora: Any) -> None:
-    """The job's ``lora`` section: a mapping of known keys with values of the right type (checked before a model
-    is loaded)."""
-    if not isinstance(lora, dict):
-        raise JobError(f"lora={lora!r} is not allowed: expected a mapping like {{r: 16, alpha: 32}}")
-    unknown = set(lora) - set(LORA_KEYS)
-    if unknown:
-        raise JobError(f"unknown lora key(s) {sorted(map(str, unknown))}; allowed: {list(LORA_KEYS)}")
-    for key in ("r", "alpha"):
-        v = lora.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise JobError(f"lora.{key}={v!r} is not allowed: expected a positive integer")
-    d = lora.get("dropout")
-    if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < 1):
-        raise JobError(f"lora.dropout={d!r} is not allowed: expected a number in [0, 1)")
-    t = lora.get("target_modules")
-    if t is not None and not (isinstance(t, str) or (isinstance(t, list) and t and all(isinstance(m, str) for m in t))):
-        raise JobError(f"lora.target_modules={t!r} is not allowed: expected 'all-linear' or a list of module names")
 
 
 def lora_config(lora: dict[str, Any]):
@@ -276,23 +212,30 @@ def lora_config(lora: dict[str, Any]):
                       target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM")
 
 
-def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = None) -> dict[str, Any]:
+def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = None, overwrite: bool = False,
+            force_resume: bool = False, config_dir: str | Path | None = None) -> dict[str, Any]:
     """Run a whole job; returns the report dict (also written to ``output_dir/report.json``).
 
     ``resume``: a checkpoint directory, or ``"auto"`` for the latest checkpoint in ``output_dir`` (a fresh start
-    when there is none). A SIGINT/SIGTERM during training saves a checkpoint and raises
-    :class:`TrainingInterrupted`."""
-    return _JobRun(spec, quiet=quiet, resume=resume).run()
+    when there is none). A fresh run into an ``output_dir`` that holds an earlier run is refused unless
+    ``overwrite`` (its files are then removed first); a resume whose settings differ from the checkpoint's is
+    refused unless ``force_resume``. A SIGINT/SIGTERM during training saves a checkpoint and raises
+    :class:`TrainingInterrupted`. ``config_dir``: where user modules named in the spec are also looked up."""
+    return _JobRun(spec, quiet=quiet, resume=resume, overwrite=overwrite, force_resume=force_resume,
+                   config_dir=config_dir).run()
 
 
 class _JobRun:
     """The stages of :func:`run_job`, sharing what they need: validate, load, evaluate before, train, evaluate
     after, report. Under accelerate/torchrun every rank runs the job; the main process prints and writes."""
 
-    def __init__(self, spec: dict[str, Any], *, quiet: bool, resume: str | None):
+    def __init__(self, spec: dict[str, Any], *, quiet: bool, resume: str | None, overwrite: bool = False,
+                 force_resume: bool = False, config_dir: str | Path | None = None):
         self.wall_start = time.perf_counter()
-        self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev, self.multiturn = prepare(spec)
+        (self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev,
+         self.multiturn) = prepare(spec, config_dir)
         self.quiet, self.resume = quiet, resume
+        self.overwrite, self.force_resume = overwrite, force_resume
         self.main = self.config.process_index == 0
         self.out = Path(self.config.output_dir)
 
@@ -301,6 +244,25 @@ class _JobRun:
             say(self.quiet, message)
 
     def run(self) -> dict[str, Any]:
+        from .run_dir import RunDirError, RunDirLock
+
+        try:
+            lock = RunDirLock(self.out).acquire() if self.main else None
+        except RunDirError as e:
+            raise JobError(str(e)) from None
+        import transformers
+
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # the job prints its own progress, no loading bars
+        try:
+            return self._run()
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+            if lock is not None:
+                lock.release()
+
+    def _run(self) -> dict[str, Any]:
         import transformers
 
         resume_path = self._start()
@@ -319,20 +281,21 @@ class _JobRun:
         return self._report(trainer, before, after, train_time)
 
     def _start(self) -> str | None:
-        """What to resume from, said in one line; the output directory made."""
-        from .checkpoints import CheckpointError, latest_checkpoint, resolve_resume
+        """What to resume from, said in one line; a fresh run into a directory holding an earlier run refused (or,
+        with ``overwrite``, the earlier run removed)."""
+        from .checkpoints import CheckpointError, resolve_resume
+        from .run_dir import RunDirError, claim_output_dir
 
         try:
             resume_path = resolve_resume(self.resume, self.config.output_dir)
-        except CheckpointError as e:
+            claim_output_dir(self.out, resuming=resume_path is not None, overwrite=self.overwrite, job_outputs=True,
+                             remove=self.main, how_to_resume="--resume", how_to_overwrite="--overwrite")
+        except (CheckpointError, RunDirError) as e:
             raise JobError(str(e)) from None
         if resume_path:
             self.tell(f"resuming from {resume_path}")
         elif self.resume is not None:
             self.tell(f"no checkpoint in {self.out} yet: starting from scratch")
-        elif latest_checkpoint(self.out) is not None:
-            self.tell(f"note: {self.out} holds checkpoints up to {latest_checkpoint(self.out).name}; starting from "
-                      "scratch (--resume auto continues from the latest)")
         self.out.mkdir(parents=True, exist_ok=True)
         return resume_path
 
@@ -342,8 +305,8 @@ class _JobRun:
         name, trust = self.job["model"], self.config.trust_remote_code
         try:
             tokenizer = load_tokenizer(name, trust_remote_code=trust)
-        except (OSError, ValueError, ImportError) as e:
-            raise JobError(f"model {name!r} could not be loaded: {e}") from None
+        except Exception as e:  # noqa: BLE001 - any loading failure is one line naming the model
+            raise JobError(f"the tokenizer of {name!r} could not be loaded: {type(e).__name__}: {e}") from None
         if self.task.chat_template is not None:
             tokenizer.chat_template = self.task.chat_template
         if self.multiturn is not None:  # before the weights load: a wrong template fails fast
@@ -351,10 +314,14 @@ class _JobRun:
                 self.multiturn.check_template(tokenizer)
             except ValueError as e:
                 raise JobError(f"{e} (in a job: chat_template: chatml-tools, or a template file)") from None
+        kwargs = dict(self.config.model_init_kwargs or {})
+        kwargs.pop("trust_remote_code", None)
+        if "torch_dtype" in kwargs:
+            kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
         try:
-            return load_model(name, trust_remote_code=trust), tokenizer
-        except (OSError, ValueError, ImportError) as e:
-            raise JobError(f"model {name!r} could not be loaded: {e}") from None
+            return load_model(name, trust_remote_code=trust, **kwargs), tokenizer
+        except Exception as e:  # noqa: BLE001 - any loading failure is one line naming the model
+            raise JobError(f"model {name!r} could not be loaded: {type(e).__name__}: {e}") from None
 
     def _eval_funcs(self) -> list:
         """The training rewards, plus the task's accuracy reward when training uses others: accuracy is the task's
@@ -383,9 +350,12 @@ class _JobRun:
             return None, None
         cached = self.out / "eval_before.json"
         if resume_path and cached.is_file():
-            result = json.loads(cached.read_text())
-            self.tell(_eval_line("before (measured by the first run)", result[0]))
-            return tuple(result)
+            try:
+                result = json.loads(cached.read_text())
+                self.tell(_eval_line("before (measured by the first run)", result[0]))
+                return tuple(result)
+            except (ValueError, KeyError, IndexError, TypeError, OSError):
+                self.tell(f"{cached} is damaged: measuring again")
         self.tell(f"evaluating the model before training on {min(self.ev['n'], len(self.task.eval_dataset))} "
                   "held-out prompts")
         # With DeepSpeed's zero3_init_flag the model was loaded partitioned and is not in DeepSpeed's engine yet
@@ -394,6 +364,8 @@ class _JobRun:
             result = self._evaluate(model, tokenizer, eval_funcs)
         self.tell(_eval_line("before", result[0]))
         if self.main:
+            from .reporting._util import jsonable
+
             atomic_write_text(cached, json.dumps(jsonable(list(result))))
         return result
 
@@ -402,15 +374,20 @@ class _JobRun:
 
         from .callbacks import MetricsJsonlCallback, ProgressCallback, TimeBudget
         from .checkpoints import CheckpointError
+        from .run_dir import ResumeMismatch
         from .trainer import GRPOTrainer
 
         budget = self.job.get("time_budget_s")
         mt = self.multiturn
-        trainer = GRPOTrainer(model, self.reward_funcs or None, args=self.config, train_dataset=self.task.train_dataset,
-                              processing_class=tokenizer,
-                              peft_config=lora_config(self.lora) if self.lora is not None else None,
-                              tools=mt.tools if mt is not None else None,
-                              environment_factory=mt.environments.factory if mt is not None and mt.environments else None)
+        try:
+            trainer = GRPOTrainer(model, self.reward_funcs or None, args=self.config,
+                                  train_dataset=self.task.train_dataset, processing_class=tokenizer,
+                                  peft_config=lora_config(self.lora) if self.lora is not None else None,
+                                  tools=mt.tools if mt is not None else None,
+                                  environment_factory=mt.environments.factory if mt is not None and mt.environments
+                                  else None)
+        except (ValueError, TypeError) as e:
+            raise JobError(str(e).replace("peft_config.target_modules", "lora.target_modules")) from None
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
         trainer.add_callback(MetricsJsonlCallback(str(self.out)))
@@ -419,19 +396,42 @@ class _JobRun:
             trainer.add_callback(TimeBudget(float(budget)))
         start = time.perf_counter()
         try:
-            trainer.train(resume_from_checkpoint=resume_path)
+            trainer.train(resume_from_checkpoint=resume_path, force_resume=self.force_resume)
         except CheckpointError as e:
-            raise JobError(str(e)) from None
+            raise JobError(e.describe("--force") if isinstance(e, ResumeMismatch) else str(e)) from None
         if trainer.interrupted:
             checkpoint = trainer.interrupt_checkpoint
             if checkpoint is None:  # the signal came after the last step: keep that state too
                 checkpoint = trainer.save_checkpoint()
             raise TrainingInterrupted(trainer.interrupted, checkpoint, trainer.state.global_step)
-        trainer.save_model(str(self.out / "final"))
+        self._save_final(trainer)
         return trainer, time.perf_counter() - start
+
+    def _save_final(self, trainer) -> None:
+        """The trained model (or adapter) into ``final/``, whole or not at all: written into ``final.tmp`` by every
+        rank that saves, flushed, then renamed into place."""
+        import shutil
+
+        from .files import fsync_tree, publish_directory
+
+        staging, final = self.out / "final.tmp", self.out / "final"
+        if self.main:
+            shutil.rmtree(staging, ignore_errors=True)
+        trainer.accelerator.wait_for_everyone()
+        try:
+            trainer.save_model(str(staging))
+            trainer.accelerator.wait_for_everyone()
+            if self.main:
+                fsync_tree(staging)
+                publish_directory(staging, final)
+        except BaseException:
+            if self.main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
 
     def _report(self, trainer, before, after, train_time: float) -> dict[str, Any]:
         from .reporting import write_report
+        from .reporting._util import jsonable
 
         cfg = jsonable(self.config.to_dict())
         cfg.update(model=self.job["model"], task=self.job.get("task") or self.job.get("dataset"), lora=self.lora,

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .validation import short_repr
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -133,6 +135,60 @@ def resolve_model(name_or_path: str | os.PathLike) -> tuple[str, str | None]:
                 )
         return str(path), None
     return text, None
+
+
+def check_model_source(name_or_path: Any) -> None:
+    """Cheap checks before a model loads, each one line (``ValueError``): a path that does not exist (not reported as a
+    bad hub id), a near miss of a built-in name, a directory without a model or with only pickled weights, damaged
+    safetensors files. A name that looks like a hub id is left to the hub."""
+    import difflib
+
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ValueError(f"model={name_or_path!r} is not allowed: expected a model directory, a .gguf file, a hub id "
+                         f"or {', '.join(BUILTIN_MODELS)}")
+    text = str(name_or_path).strip()
+    if _builtin_key(text) is not None:
+        return
+    path = Path(text).expanduser()
+    path_like = text.startswith(("/", ".", "~")) or text.count("/") > 1 or text.lower().endswith(".gguf") or "\\" in text
+    try:
+        exists = path.exists()
+    except OSError as e:  # a name too long for the file system, ...
+        raise ValueError(f"model={short_repr(text)} is not allowed: {e.strerror or e}") from None
+    if not exists:
+        if path_like:
+            raise ValueError(f"model path {text!r} does not exist")
+        close = difflib.get_close_matches(text.lower(), list(BUILTIN_MODELS), n=1, cutoff=0.6)
+        if close and "/" not in text:  # org/name is a hub id
+            raise ValueError(f"unknown model {text!r}; did you mean {close[0]!r} (the built-in model)?")
+        return  # a hub id
+    if path.is_dir():
+        _check_model_directory(path, text)
+
+
+def _check_model_directory(path: Path, text: str) -> None:
+    from .file_checks import check_safetensors
+
+    files = {p.name for p in path.iterdir()}
+    if "adapter_config.json" in files:
+        weights = [f for f in ("adapter_model.safetensors",) if f in files]
+        if not weights:
+            raise ValueError(f"adapter directory {text!r} has no adapter_model.safetensors (not written yet?)")
+    elif "config.json" in files:
+        index = "model.safetensors.index.json" in files
+        shards = sorted(f for f in files if f.endswith(".safetensors"))
+        if not shards and not index:
+            pickled = sorted(f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+            if pickled:
+                raise ValueError(f"model directory {text!r} holds only pickled weights ({', '.join(pickled[:3])}), "
+                                 "which grpokit does not load (loading a pickle can run code); convert them to "
+                                 "safetensors")
+            raise ValueError(f"model directory {text!r} has config.json but no weights (model.safetensors): not "
+                             "written yet, or copied incompletely")
+        for name in shards:
+            check_safetensors(path / name, hint="the model files are incomplete: save or copy them again")
+    elif not any(f.endswith(".gguf") for f in files):
+        raise ValueError(f"directory {text!r} holds no model (no config.json, adapter_config.json or .gguf file)")
 
 
 # --------------------------------------------------------------------------------------------------

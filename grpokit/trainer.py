@@ -44,8 +44,10 @@ from .rollout.base import Generation, SamplingParams, context_length, stop_token
 from .rollout.dynamic_sampling import fill_with_informative_groups
 from .rollout.sample import ScoredSamples, sample_and_score
 from .rollout.transformers_backend import TransformersRollout
+from .run_dir import run_signature, save_signature
 from .sharding import full_weights, sharding_kind, weights_for_generation
 from .tools import TurnLimits
+from .validation import short_repr
 
 logger = logging.getLogger("grpokit")
 
@@ -113,6 +115,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         _check_datasets(args, train_dataset, eval_dataset)
         transformers.set_seed(args.seed)  # before the model and its adapter are made: LoRA's init is random
         model, processing_class = _load_policy(model, model_id, processing_class, args, quantization_config)
+        _check_vocabulary(model, processing_class)
         if self.multiturn is not None:
             self.multiturn.check_template(processing_class)
         self.ref_model = None
@@ -133,16 +136,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             hi=args.entropy_coef_max) if args.use_adaptive_entropy else None
         self._entropy_window: torch.Tensor | None = None
         self.router_aux_loss_coef = _router_aux_loss_coef(model, args)
-        if rollout_backend is None and args.use_vllm:
-            from .rollout.vllm_backend import VLLMRollout
-
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            rollout_backend = VLLMRollout(base.name_or_path, processing_class, args, process_index=args.process_index)
-        if rollout_backend is None and args.use_transformers_continuous_batching:
-            from .rollout.continuous_batching import ContinuousBatchingRollout
-
-            rollout_backend = ContinuousBatchingRollout(processing_class, args.transformers_continuous_batching_config)
-        self.rollout = rollout_backend or TransformersRollout(processing_class)
+        self.rollout = rollout_backend or _default_rollout(model, processing_class, args)
         self._metrics: dict[str, dict[str, list]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._rollouts = RolloutBuffer(args.steps_per_generation, args.steps_per_generation * args.num_iterations)
         self._synced_step = 0  # a sampler with its own weights (vLLM) starts from the same checkpoint
@@ -252,6 +246,15 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                               json.dumps(self._entropy_ctrl.state_dict()))
         atomic_write_text(os.path.join(checkpoint_dir, self._state_file_name()),
                           json.dumps({"refill_position": self._refill_position}))
+        if self.args.should_save:
+            save_signature(self.run_signature(), checkpoint_dir)
+
+    def run_signature(self) -> dict[str, Any]:
+        """What this run's checkpoints mean (grpokit/run_dir.py): a resume with any of it changed is refused."""
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        name = getattr(getattr(base, "config", None), "_name_or_path", None) or None
+        return run_signature(self.args, name, adapter=_is_peft(model))
 
     def _state_file_name(self) -> str:
         """This process's own trainer state in a checkpoint (dynamic sampling's position)."""
@@ -773,6 +776,31 @@ def _is_peft(model) -> bool:
     return getattr(model, "peft_config", None) is not None and hasattr(model, "disable_adapter")
 
 
+def _default_rollout(model, processing_class, args: GRPOConfig):
+    """The generation backend the config asks for: vLLM, transformers' continuous batching, or ``generate``."""
+    if args.use_vllm:
+        from .rollout.vllm_backend import VLLMRollout
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return VLLMRollout(base.name_or_path, processing_class, args, process_index=args.process_index)
+    if args.use_transformers_continuous_batching:
+        from .rollout.continuous_batching import ContinuousBatchingRollout
+
+        return ContinuousBatchingRollout(processing_class, args.transformers_continuous_batching_config)
+    return TransformersRollout(processing_class)
+
+
+def _check_vocabulary(model, tokenizer) -> None:
+    """A tokenizer with more tokens than the model has embeddings would crash the forward on the first such id."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    if rows is not None and size is not None and size > rows:
+        raise ValueError(f"the tokenizer has {size} tokens but the model's embedding has {rows} rows: ids from {rows} on "
+                         "would fail in the forward; use the model's own tokenizer, or call "
+                         "model.resize_token_embeddings(len(tokenizer)) first")
+
+
 def _add_adapter(model, peft_config, args: GRPOConfig):
     """Wrap the policy with a PEFT adapter. A QLoRA base (4-/8-bit) keeps its adapter in bf16 (the QLoRA paper's
     recommendation, as TRL does)."""
@@ -784,7 +812,15 @@ def _add_adapter(model, peft_config, args: GRPOConfig):
         raise ValueError("a PeftModel was passed together with peft_config: merge and unload the existing adapter "
                          "first, or pass the PeftModel without peft_config")
     quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-    model = get_peft_model(model, peft_config)
+    try:
+        model = get_peft_model(model, peft_config)
+    except ValueError as e:
+        if "not found in the base model" not in str(e) and "no modules were targeted" not in str(e).lower():
+            raise
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"peft_config.target_modules={short_repr(getattr(peft_config, 'target_modules', None))} "
+                         f"matches no module of the model; its linear modules are named {', '.join(linear)} "
+                         "(or use 'all-linear')") from None
     if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     if quantized:

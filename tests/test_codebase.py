@@ -113,3 +113,14 @@ def test_every_cited_document_exists_and_nothing_points_outside():
     missing = [c for c in sorted(cited) if not any(ROOT.glob(f"**/{Path(c).name}"))]
     assert not missing, f"cited but not in the repository: {missing}"
     assert not outside, f"pointing outside the repository: {outside}"
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by their base name (the test folders are not packages): two files with one name
+    in different folders stop the whole run at collection."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        if path.name not in ("__init__.py", "conftest.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"test files share a name: {clashes}"

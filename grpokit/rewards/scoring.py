@@ -26,9 +26,6 @@ from .registry import reward_func_name
 
 RESERVED_COLUMNS = ("prompt", "completion", "completion_ids")
 """Dataset columns that are not passed to reward functions under their own name."""
-CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
-                 "environments")
-"""Keywords a reward function receives from the trainer; a dataset column may not use these names."""
 
 
 def _snippet(x: Any, width: int = 80) -> str:

@@ -9,7 +9,7 @@ from ..rewards import correctness
 from ..tools.templates import CHATML_TOOLS_TEMPLATE
 from .base import Task, split_holdout
 
-__all__ = ["add", "make_calculator_task", "multiply"]
+__all__ = ["add", "make_calculator_task", "multiply", "subtract"]
 
 
 def multiply(a: int, b: int) -> int:
@@ -32,14 +32,25 @@ def add(a: int, b: int) -> int:
     return int(a) + int(b)
 
 
-TOOLS = {"*": multiply, "+": add}
+def subtract(a: int, b: int) -> int:
+    """Subtract the second integer from the first.
+
+    Args:
+        a: the number to subtract from
+        b: the number to subtract
+    """
+    return int(a) - int(b)
+
+
+TOOLS = {"*": multiply, "+": add, "-": subtract}
 
 DESCRIPTION = (
-    "Questions \"What is {a} {op} {b}?\" with a of 3 and b of 2 digits, op among `ops` (default * and +), "
-    "answered with the multiply and add tools: the model calls a tool (<tool_call>{{\"name\": ..., \"arguments\": "
-    "...}}</tool_call>), reads its result, and ends with 'Answer: <number>'. Each prompt starts with `n_demos` "
-    "worked exchanges (question, tool call, result, answer) drawn from the seed. Reward: correctness 1.0 when the "
-    "number after the last 'Answer:' is right. Chat template: grpokit's ChatML with tools."
+    "Questions \"What is {a} {op} {b}?\" with a of 3 and b of 2 digits, op among `ops` (default *, + and -), "
+    "answered with the multiply, add and subtract tools: the model calls a tool (<tool_call>{\"name\": ..., "
+    "\"arguments\": ...}</tool_call>), reads its result, and ends with 'Answer: <number>'. Each prompt starts with "
+    "`n_demos` worked exchanges (question, tool call, result, answer) with operators from `demo_ops` (default only "
+    "*: which tool fits + and - is for the model to find). Reward: correctness 1.0 when the number after the last "
+    "'Answer:' is right. Chat template: grpokit's ChatML with tools."
 )
 
 
@@ -58,12 +69,14 @@ def _demo(a: int, op: str, b: int) -> list[dict]:
 
 
 def make_calculator_task(*, seed: int = 0, n_eval: int = 128, n_train: int = 1024, n_demos: int = 2,
-                         ops: str = "*+") -> Task:
-    """``n_train + n_eval`` distinct questions; every prompt has ``n_demos`` worked exchanges first (their operators
-    cycling through ``ops``), then the question."""
-    if not ops or any(op not in TOOLS for op in ops) or len(set(ops)) != len(ops):
-        raise ValueError(f"Task 'calculator': ops={ops!r} is not allowed: expected operators among {''.join(TOOLS)}, "
-                         "each once")
+                         ops: str = "*+-", demo_ops: str | None = "*") -> Task:
+    """``n_train + n_eval`` distinct questions with operators from ``ops``; every prompt has ``n_demos`` worked
+    exchanges first (their operators cycling through ``demo_ops``, default ``ops``), then the question."""
+    demo_ops = ops if demo_ops is None else demo_ops
+    for name, value in (("ops", ops), ("demo_ops", demo_ops)):
+        if not isinstance(value, str) or not value or any(op not in TOOLS for op in value) or len(set(value)) != len(value):
+            raise ValueError(f"Task 'calculator': {name}={value!r} is not allowed: expected operators among "
+                             f"{''.join(TOOLS)}, each once")
     if isinstance(n_demos, bool) or not isinstance(n_demos, int) or n_demos < 0:
         raise ValueError(f"Task 'calculator': n_demos={n_demos!r} is not allowed: expected an integer ≥ 0")
     if isinstance(n_train, bool) or not isinstance(n_train, int) or n_train < 1:
@@ -75,7 +88,7 @@ def make_calculator_task(*, seed: int = 0, n_eval: int = 128, n_train: int = 102
         if q in seen:
             continue
         seen.add(q)
-        demos = [m for k in range(n_demos) for m in _demo(*_question(rng, (ops[k % len(ops)],)))]
+        demos = [m for k in range(n_demos) for m in _demo(*_question(rng, (demo_ops[k % len(demo_ops)],)))]
         a, op, b = q
         rows.append({"prompt": demos + [{"role": "user", "content": f"What is {a} {op} {b}?"}],
                      "answer": str(TOOLS[op](a, b))})
@@ -87,7 +100,8 @@ def make_calculator_task(*, seed: int = 0, n_eval: int = 128, n_train: int = 102
         reward_funcs=[correctness],
         accuracy_reward="correctness",
         description=DESCRIPTION,
-        metadata={"seed": seed, "n_eval": n_eval, "n_train": n_train, "n_demos": n_demos, "ops": ops},
-        tools=[multiply, add],
+        metadata={"seed": seed, "n_eval": n_eval, "n_train": n_train, "n_demos": n_demos, "ops": ops,
+                  "demo_ops": demo_ops},
+        tools=[TOOLS[op] for op in TOOLS if op in ops or op in demo_ops],
         chat_template=CHATML_TOOLS_TEMPLATE,
     )

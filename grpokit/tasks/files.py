@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -59,6 +60,60 @@ def _append_instruction(messages: list[dict], instruction: str) -> list[dict]:
     return messages
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    from datasets.utils import logging as ds_logging
+
+    was = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            ds_logging.enable_progress_bar()
+
+
+def _check_utf8(path: Path) -> None:
+    """A text file that is not UTF-8 is one error naming the line (datasets would read it and fail later)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, offset = 1, 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                line += chunk[:e.start].count(b"\n")
+                raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {offset + e.start}: {e.reason}); save "
+                                 "the file as UTF-8") from None
+            line += chunk.count(b"\n")
+            offset += len(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: the file ends inside a UTF-8 character ({e.reason})") from None
+
+
+def _bad_jsonl_line(path: Path) -> str | None:
+    """The first line of a JSONL file that is not one JSON object, as "line N: what is wrong"; None if every line
+    is fine (the problem is elsewhere)."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as e:
+                    return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+                if not isinstance(value, dict):
+                    return f"line {number} is not a JSON object (got {type(value).__name__}); write one object per line"
+    except UnicodeDecodeError as e:
+        return f"the file is not UTF-8 text (byte {e.start}: {e.reason})"
+    return None
+
+
 def load_dataset_file(
     path: str | os.PathLike,
     *,
@@ -99,9 +154,15 @@ def load_dataset_file(
         )
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: the file is empty.")
+    if path.suffix in (".jsonl", ".json", ".csv"):
+        _check_utf8(path)
     try:
-        dataset = load_dataset(builder, data_files=str(path), split="train")
+        with _no_progress_bars():  # a local file reads in a moment: no "Generating train split" bars
+            dataset = load_dataset(builder, data_files=str(path), split="train")
     except Exception as error:  # datasets raises many kinds, several unhelpful for an empty file
+        where = _bad_jsonl_line(path) if path.suffix == ".jsonl" else None
+        if where is not None:
+            raise ValueError(f"{path}: {where}") from None
         raise ValueError(f"{path}: could not be read as {builder} ({type(error).__name__}: {error}).") from error
     if len(dataset) == 0:
         raise ValueError(f"{path}: the file has no rows.")

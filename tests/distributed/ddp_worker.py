@@ -172,7 +172,7 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             learning_rate=0.01 if adamw else 0.5, max_grad_norm=0.0,
             logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=1, report_to="none",
             use_cpu=True, shuffle_dataset=False,
-            gradient_checkpointing=False, disable_tqdm=True, seed=0, ddp_timeout=60,
+            gradient_checkpointing=False, disable_tqdm=True, seed=0, ddp_timeout=1800,
             ds3_gather_for_generation=gather, temperature=1.0, top_entropy_quantile=top_entropy,
             generation_kwargs={"eos_token_id": STOP_IDS} if real_rollout else None, **shard_args(shard),
             **(dict(use_vllm=True, vllm_mode="server") if fake_server else {}),

@@ -11,8 +11,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from hang import HANG_S  # noqa: E402
+
 WORKER = HERE / "ddp_worker.py"
-TIMEOUT = 240
+TIMEOUT = HANG_S  # a hang guard only (tests/hang.py)
 LOSSES = ["dapo", "grpo", "vespo"]  # the losses every multi-process comparison covers
 
 
@@ -46,7 +49,8 @@ def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT, env:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"torchrun did not finish in {timeout} s:\n{err[-3000:]}") from None
+        raise AssertionError(f"torchrun did not finish in {timeout} s (a hang guard, far above a normal run):\n"
+                             f"{err[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

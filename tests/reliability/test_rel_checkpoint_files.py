@@ -15,16 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hang import HANG_S
 from reliability_helpers import LoadGuard, make_trainer
 
-from grpokit.checkpoints import (
-    CheckpointError,
-    latest_checkpoint,
-    list_checkpoints,
-    resolve_resume,
-    verify_checkpoint,
-)
+from grpokit.checkpoints import resolve_resume, verify_checkpoint
 from grpokit.cli import main
+from grpokit.run_dir import CheckpointError, latest_checkpoint, list_checkpoints
 
 TESTS = Path(__file__).resolve().parent
 
@@ -54,7 +50,9 @@ def test_checkpoints_are_complete_and_safetensors(run_dir):
 
 
 def test_a_failure_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    """An exception inside the save stands in for a kill: whatever was written stays in checkpoint-2.tmp-<pid>."""
+    """An exception inside the save: the staging directory is removed and checkpoint-1 stays the latest. What a real
+    kill leaves behind (a ``checkpoint-2.tmp-<pid>`` directory, see the SIGKILL test below) is never resumed from
+    and is cleared by the next save."""
     trainer = make_trainer(tmp_path / "out", max_steps=2, save_strategy="steps", save_steps=1)
     original = trainer._save_rng_state
 
@@ -67,17 +65,20 @@ def test_a_failure_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         trainer.train()
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == [
-        "checkpoint-1", f"checkpoint-2.tmp-{os.getpid()}"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1"]
     assert latest_checkpoint(out).name == "checkpoint-1" and verify_checkpoint(out / "checkpoint-1") == 1
+
+    leftover = out / "checkpoint-2.tmp-424242"  # what a SIGKILL mid-save leaves: a partial copy
+    shutil.copytree(out / "checkpoint-1", leftover)
+    (leftover / "optimizer.pt").unlink()
     assert resolve_resume("auto", out) == str(out / "checkpoint-1")
     with pytest.raises(CheckpointError, match="unfinished"):
-        verify_checkpoint(out / f"checkpoint-2.tmp-{os.getpid()}")
+        verify_checkpoint(leftover)
 
     resumed = make_trainer(out, max_steps=3, save_strategy="steps", save_steps=1)
     resumed.train(resume_from_checkpoint="auto")
     assert resumed.state.global_step == 3
-    assert [p.name for p in out.iterdir() if p.name.startswith("checkpoint")].count(f"checkpoint-2.tmp-{os.getpid()}") == 0
+    assert not leftover.exists()
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
 
 
@@ -103,7 +104,7 @@ def test_sigkill_during_a_save_in_a_child_process(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_S
         line = ""
         while time.monotonic() < deadline and "WRITING" not in line:
             line = proc.stdout.readline()
@@ -111,7 +112,7 @@ def test_sigkill_during_a_save_in_a_child_process(tmp_path):
                 break
         assert "WRITING" in line, proc.stderr.read()
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hang import HANG_S
 from reliability_helpers import chat_dataset, make_trainer, params_of
 from transformers import TrainerCallback
 
 from grpokit.callbacks import GracefulInterrupt
-from grpokit.checkpoints import latest_checkpoint, verify_checkpoint
+from grpokit.checkpoints import verify_checkpoint
+from grpokit.run_dir import latest_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 
@@ -169,9 +171,9 @@ def test_cli_sigterm_saves_exits_143_and_resume_finishes(tmp_path, tiny_dir):
 
     proc = cli([str(cfg), "--quiet"], tmp_path)
     try:
-        assert wait_for(lambda: 2 in metric_steps(out), 120, proc), proc.communicate(timeout=5)
+        assert wait_for(lambda: 2 in metric_steps(out), HANG_S, proc), proc.communicate(timeout=5)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -183,7 +185,7 @@ def test_cli_sigterm_saves_exits_143_and_resume_finishes(tmp_path, tiny_dir):
     assert not (out / "report.json").exists()
 
     proc = cli([str(cfg), "--quiet", "--resume"], tmp_path)
-    stdout, err = proc.communicate(timeout=240)
+    stdout, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 0, err
     assert f"resuming from {ckpt}" in stdout and "before (measured by the first run)" in stdout
     steps = metric_steps(out)

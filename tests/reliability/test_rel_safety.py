@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import types
 from pathlib import Path
 
 import pytest
@@ -42,16 +43,21 @@ def test_the_job_asks_for_no_remote_code(tmp_path, monkeypatch):
 
     seen = []
 
-    def capture(name, **k):
-        seen.append(k)
+    def tokenizer(name, **k):
+        seen.append(("tokenizer", k))
+        return types.SimpleNamespace(chat_template=None)
+
+    def model(name, **k):
+        seen.append(("model", k))
         raise OSError("stop here")
 
-    monkeypatch.setattr(grpokit.models, "load_model", capture)
+    monkeypatch.setattr(grpokit.models, "load_tokenizer", tokenizer)
+    monkeypatch.setattr(grpokit.models, "load_model", model)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"model": "some/model", "task": "arithmetic", "output_dir": str(tmp_path / "o"),
                                    "per_device_train_batch_size": 4, "num_generations": 4}))
     assert main(["train", str(cfg)]) == 2
-    assert seen == [{"trust_remote_code": False}]
+    assert seen == [("tokenizer", {"trust_remote_code": False}), ("model", {"trust_remote_code": False})]
 
 
 def test_resume_reads_torch_files_only_with_weights_only(tmp_path, monkeypatch):

@@ -1,0 +1,152 @@
+"""The shape of a job spec (a YAML file's contents), checked without importing torch or transformers: unknown keys
+(with a suggestion), the job's own keys and their types. A mistake here is reported in a fraction of a second;
+``grpokit.job`` then checks the values of the ``GRPOConfig`` fields, which needs transformers."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import math
+from typing import Any
+
+from .validation import short_repr
+
+JOB_KEYS = {
+    "model": "model id, local directory, .gguf file, or smollm2-135m-instruct (the embedded model)",
+    "task": "a built-in task name (see `grpokit tasks`)",
+    "dataset": "a local JSONL/Parquet/CSV file with prompt and answer columns",
+    "reward_funcs": "built-in reward names or module:function (default: the task's)",
+    "tools": "functions the model may call, as module:function or file.py:function (added to the task's)",
+    "environment": "one environment per rollout: module:Class, or a mapping of names to them (an 'environment' column "
+                   "picks one per row)",
+    "chat_template": "a Jinja chat template file, or chatml-tools (grpokit's ChatML with tools, for SmolLM2)",
+    "lora": "LoRA settings: r, alpha, dropout, target_modules (default all-linear)",
+    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true)",
+    "time_budget_s": "stop training after this many seconds of training wall time",
+    "task_args": "extra keyword arguments for the task (e.g. seed, n_eval)",
+}
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+EVAL_KEYS = ("n", "before", "after", "max_new_tokens", "greedy")
+
+
+class JobError(ValueError):
+    """A wrong job spec: the CLI prints it in one line and exits 2."""
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving a checkpoint; the CLI exits with 128 + the signal number."""
+
+    def __init__(self, signum: int, checkpoint: str | None, step: int):
+        import signal
+
+        self.signum, self.checkpoint, self.step = signum, checkpoint, step
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {self.signal_name} at step {step}; checkpoint: {checkpoint}")
+
+
+def config_field_names() -> frozenset[str]:
+    """Every ``GRPOConfig`` field a config may set: from the list written for the installed transformers version
+    (:mod:`grpokit.config_fields`, no import of transformers), else from ``GRPOConfig`` itself."""
+    from . import config_fields
+
+    try:
+        installed = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed == config_fields.TRANSFORMERS_VERSION:
+        return config_fields.FIELDS
+    import dataclasses
+
+    from .config import GRPOConfig
+
+    return frozenset(f.name for f in dataclasses.fields(GRPOConfig) if f.init)
+
+
+def split_spec(spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate the job's keys from ``GRPOConfig`` fields (values unchecked), rejecting unknown keys with a
+    suggestion, and check the job's own keys (:func:`check_job_keys`)."""
+    if not isinstance(spec, dict):
+        raise JobError(f"the config must be a mapping of field: value, got {type(spec).__name__}")
+    fields = config_field_names()
+    job, cfg = {}, {}
+    for key, value in spec.items():
+        if key in JOB_KEYS:
+            job[key] = value
+        elif key in fields:
+            cfg[key] = value
+        else:
+            close = difflib.get_close_matches(str(key), sorted(fields) + list(JOB_KEYS), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise JobError(f"unknown config key {short_repr(key)}{hint} (GRPOConfig fields and: {', '.join(JOB_KEYS)})")
+    check_job_keys(job)
+    return job, cfg
+
+
+def check_job_keys(job: dict[str, Any]) -> None:
+    """The job's own keys: present where needed, of the right types, known sub-keys."""
+    if "model" not in job:
+        raise JobError("the config has no 'model' (e.g. model: smollm2-135m-instruct)")
+    if ("task" in job) == ("dataset" in job):
+        raise JobError("the config needs exactly one of 'task' (a built-in task) or 'dataset' (a local file)")
+    for key in ("model", "task", "dataset"):
+        if key in job and (not isinstance(job[key], str) or not job[key].strip()):
+            raise JobError(f"{key}={short_repr(job[key])} is not allowed: expected {JOB_KEYS[key]}, as a string")
+    for key in ("task_args", "eval"):
+        if job.get(key) is not None and not isinstance(job[key], dict):
+            raise JobError(f"{key}={short_repr(job[key])} is not allowed: expected a mapping ({JOB_KEYS[key]})")
+    names = job.get("reward_funcs")
+    if names is not None and not (isinstance(names, str) or (
+            isinstance(names, list) and names and all(isinstance(n, str) for n in names))):
+        raise JobError(f"reward_funcs={short_repr(names)} is not allowed: expected a reward name or module:function, "
+                       "or a list of them")
+    tools = job.get("tools")
+    if tools is not None and not (isinstance(tools, str) or (
+            isinstance(tools, list) and all(isinstance(t, str) for t in tools))):
+        raise JobError(f"tools={short_repr(tools)} is not allowed: expected module:function or a list of them")
+    env = job.get("environment")
+    if env is not None and not (isinstance(env, str) or (
+            isinstance(env, dict) and env and all(isinstance(v, str) for v in env.values()))):
+        raise JobError(f"environment={short_repr(env)} is not allowed: expected module:Class or a mapping of names "
+                       "to them")
+    template = job.get("chat_template")
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise JobError(f"chat_template={short_repr(template)} is not allowed: expected chatml-tools or a Jinja "
+                       "template file")
+    if job.get("lora") is not None:
+        check_lora(job["lora"])
+    check_eval(job.get("eval") or {})
+    budget = job.get("time_budget_s")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not math.isfinite(budget) or budget <= 0):
+        raise JobError(f"time_budget_s={short_repr(budget)} is not allowed: expected a positive number of seconds")
+
+
+def check_eval(ev: dict[str, Any]) -> None:
+    unknown = set(ev) - set(EVAL_KEYS)
+    if unknown:
+        raise JobError(f"unknown eval key(s) {sorted(map(str, unknown))}; allowed: {sorted(EVAL_KEYS)}")
+    for key, value in ev.items():
+        if key in ("n", "max_new_tokens") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected a positive integer")
+        if key in ("before", "after", "greedy") and not isinstance(value, bool):
+            raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected true or false")
+
+
+def check_lora(lora: Any) -> None:
+    """The job's ``lora`` section: a mapping of known keys with values of the right type."""
+    if not isinstance(lora, dict):
+        raise JobError(f"lora={short_repr(lora)} is not allowed: expected a mapping like {{r: 16, alpha: 32}}")
+    unknown = set(lora) - set(LORA_KEYS)
+    if unknown:
+        raise JobError(f"unknown lora key(s) {sorted(map(str, unknown))}; allowed: {list(LORA_KEYS)}")
+    for key in ("r", "alpha"):
+        v = lora.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise JobError(f"lora.{key}={short_repr(v)} is not allowed: expected a positive integer")
+    d = lora.get("dropout")
+    if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < 1):
+        raise JobError(f"lora.dropout={short_repr(d)} is not allowed: expected a number in [0, 1)")
+    t = lora.get("target_modules")
+    if t is not None and not (isinstance(t, str) or (isinstance(t, list) and t and all(isinstance(m, str) for m in t))):
+        raise JobError(f"lora.target_modules={short_repr(t)} is not allowed: expected 'all-linear' or a list of "
+                       "module names")
