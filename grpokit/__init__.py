@@ -9,6 +9,11 @@ __version__ = "0.1.0"
 _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
 )
+# DeepSpeed (imported by accelerate when installed) warns on every CPU-only machine that it found no GPU; grpokit
+# only uses DeepSpeed when the user configures it, so drop that one message too.
+_logging.getLogger("DeepSpeed").addFilter(
+    lambda record: not str(record.msg).startswith("Setting accelerator to CPU")
+)
 
 
 def __getattr__(name):  # heavy imports (torch, transformers) only when asked for: `grpokit --help` stays fast
