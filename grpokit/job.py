@@ -176,6 +176,12 @@ MODEL_INIT_KWARGS = {"dtype", "torch_dtype", "attn_implementation", "revision", 
 """``model_init_kwargs`` a job passes to the model loader (anything else is refused, never ignored)."""
 
 
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
 def _multiturn_parts(job: dict[str, Any], task) -> tuple[list, Any]:
     """The job's tools (the task's and the YAML's) and its environment factory (the YAML's, else the task's); their
     types were checked by :func:`grpokit.job_spec.check_job_keys`."""
@@ -266,6 +272,15 @@ class _JobRun:
         import transformers
 
         resume_path = self._start()
+        if self.config.use_cpu or not _has_accelerator():
+            from .threads import fit_torch_threads
+
+            try:
+                said = fit_torch_threads()
+            except ValueError as e:
+                raise JobError(str(e)) from None
+            if said:
+                self.tell(said)
         transformers.set_seed(self.config.seed)
         model, tokenizer = self._load()
         eval_funcs = self._eval_funcs()
