@@ -32,6 +32,9 @@ def spec(loss: str, s: int, seed: int, steps: int, out: Path, eval_before: bool)
     from grpokit.cli import DEMO_SPEC
 
     spec = dict(DEMO_SPEC)
+    # the recipe the study started with (the demo's until it moved to 4 questions a step with dynamic sampling)
+    spec.update(per_device_train_batch_size=8, max_completion_length=48, learning_rate=1e-4, temperature=0.7,
+                dynamic_sampling=False)
     spec.update(LOSSES[loss])
     spec.update(output_dir=str(out), seed=seed, max_steps=steps, max_staleness=s, staleness_mode="exact",
                 logging_steps=1)

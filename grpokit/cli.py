@@ -23,13 +23,14 @@ DEMO_SPEC: dict[str, Any] = {
     "task": "arithmetic",
     "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
     "eval": {"n": 128, "before": True, "after": True, "max_new_tokens": 48, "greedy": True},
-    "time_budget_s": 540,
-    "learning_rate": 1e-4,
+    "time_budget_s": 500,
+    "learning_rate": 2e-4,
     "lr_scheduler_type": "constant",
-    "per_device_train_batch_size": 8,
+    "per_device_train_batch_size": 32,
     "num_generations": 8,
-    "max_completion_length": 48,
-    "temperature": 0.7,
+    "max_completion_length": 32,
+    "temperature": 0.9,
+    "dynamic_sampling": True,
     "beta": 0.0,
     "gradient_checkpointing": False,
     "max_steps": 200,
@@ -39,8 +40,9 @@ DEMO_SPEC: dict[str, Any] = {
     "seed": 0,
     "use_cpu": True,
 }
-"""The demo: LoRA on the embedded SmolLM2-135M, the arithmetic task, ~6 s a step on a 2-core CPU
-(docs/demo.md: this recipe took greedy held-out accuracy from 1.6% to 71–75% with TRL in 10 minutes)."""
+"""The demo: LoRA on the embedded SmolLM2-135M, the arithmetic task, 4 questions × 8 completions a step with DAPO's
+dynamic sampling, ~12 s a step on a 2-core CPU (docs/demo.md: the recipe search behind it; 68% held-out accuracy
+in its one measured run, against 53% for the recipe before it)."""
 
 
 def _parse_set(pairs: list[str]) -> dict[str, Any]:
@@ -284,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train the embedded SmolLM2-135M on arithmetic (CPU, ~10 minutes)")
     d.add_argument("--algo", default="grpo", help="an algorithm recipe (default grpo; `grpokit tasks` lists them)")
     d.add_argument("--output-dir", help="default: runs/demo, or runs/demo-2, -3, ... when an earlier demo is there")
-    d.add_argument("--time-budget", type=float, help="seconds of training (default 540)")
+    d.add_argument("--time-budget", type=float, help="seconds of training (default 500)")
     d.add_argument("--max-steps", type=_positive_int)
     d.add_argument("--eval-n", type=_positive_int, help="held-out prompts evaluated before and after (default 128)")
     d.add_argument("--seed", type=int)
