@@ -326,3 +326,40 @@ def test_battery_size():
     assert total >= 100
     ids = [c[0] for c in JOB + FILES + EVAL]
     assert len(ids) == len(set(ids))
+
+
+# -- the Python API's constructor: one ValueError naming the thing -------------------------------------------------
+def test_lora_target_modules_that_match_nothing(tmp_path):
+    from peft import LoraConfig
+    from reliability_helpers import chat_dataset, make_args, tiny_model, tiny_tokenizer, varied_reward
+
+    from grpokit.trainer import GRPOTrainer
+
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError) as e:
+        GRPOTrainer(tiny_model(tok), varied_reward, args=make_args(tmp_path / "out"), train_dataset=chat_dataset(),
+                    processing_class=tok, peft_config=LoraConfig(r=4, target_modules=["q_projection"]))
+    assert "target_modules={'q_projection'}" in str(e.value) and "matches no module" in str(e.value)
+    assert "q_proj" in str(e.value)  # the names that exist
+
+
+def test_a_tokenizer_larger_than_the_embedding(tmp_path):
+    from reliability_helpers import chat_dataset, make_args, tiny_model, tiny_tokenizer, varied_reward
+
+    from grpokit.trainer import GRPOTrainer
+
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    model.resize_token_embeddings(len(tok) - 7)
+    with pytest.raises(ValueError) as e:
+        GRPOTrainer(model, varied_reward, args=make_args(tmp_path / "out"), train_dataset=chat_dataset(),
+                    processing_class=tok)
+    assert f"the tokenizer has {len(tok)} tokens but the model's embedding has {len(tok) - 7} rows" in str(e.value)
+
+
+def test_lora_target_modules_through_the_cli(tmp_path, tiny_dir, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(dict(BASE, model=str(tiny_dir), output_dir=str(tmp_path / "out"),
+                                       eval={"n": 2, "max_new_tokens": 4, "before": False},
+                                       lora={"r": 4, "target_modules": ["q_projection"]})))
+    check_message(run_cli(["train", str(cfg)], capsys), ("lora.target_modules", "q_projection", "matches no module"))
