@@ -32,6 +32,8 @@ _WRAPPERS = "*_`$ \t"
 _MAX_FALLBACK_CHARS = 64
 _UNSAFE_FOR_SYMPY = re.compile(r"[\^!]|\*\*|\\(?:exp|sum|prod|int|lim|binom|choose)|[0-9]\s*[eE]\s*[-+]?[0-9]{3,}")
 _GSM8K_MARKER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+# Two numbers joined by an operator: an expression left for the grader to compute ("14 - 12", "3 \\times 4").
+_UNEVALUATED = re.compile(r"\d\s*(?:[-+*/×÷]|\\times|\\cdot|\\div)\s*[-(]?\s*\d")
 
 
 class _DropTimeoutWarning(logging.Filter):
@@ -140,7 +142,9 @@ def answers_match(predicted: str | None, gold: str | int | float | None) -> bool
 
     Plain numbers on both sides are compared exactly (``"27."`` equals ``27``; ``"27.5"`` does not;
     ``"0.5"`` equals ``"1/2"``). Otherwise math-verify decides (``"$\\frac{1}{2}$"`` equals ``"0.5"``),
-    on the short, exponent-free text only; longer or riskier text counts as wrong.
+    on the short, exponent-free text only; longer or riskier text counts as wrong. When the gold answer is a
+    number, a prediction that is an unevaluated expression (``"14 - 12"``, ``"3 \\times 4"``) is wrong: the
+    grader must not do the arithmetic it asked for (a policy learned exactly that, echoing the question).
     """
     if predicted is None or gold is None:
         return False
@@ -154,5 +158,7 @@ def answers_match(predicted: str | None, gold: str | int | float | None) -> bool
         return False
     if not _safe_for_math_verify(predicted) or not _safe_for_math_verify(gold_text):
         return False
+    if gold_num is not None and _UNEVALUATED.search(predicted):
+        return False  # a numeric answer written as a sum or product: the grader would do the arithmetic
     # math-verify looks for LaTeX or a plain expression; a bare "27 apples" parses as 27.
     return _mv_verify(gold_text, predicted)

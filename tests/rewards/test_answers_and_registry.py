@@ -93,6 +93,26 @@ def test_answers_match():
     assert not answers_match("x" * 200, "1")  # long text never reaches sympy
 
 
+@pytest.mark.parametrize("predicted,gold", [("14 - 12", "2"), ("4 + 6", 10), ("11+20", "31"), ("3 \\times 4", "12"),
+                                            ("2*3", "6"), ("(2)(3)-0+6", "6")])
+def test_an_unevaluated_expression_is_not_a_numeric_answer(predicted, gold):
+    """The arithmetic demo's policy learned to answer "Answer: 14 - 12" and let math-verify compute it (100%
+    "accuracy" with no arithmetic done): for a numeric gold answer, the grader does not evaluate expressions."""
+    assert not answers_match(predicted, gold)
+
+
+@pytest.mark.parametrize("predicted,gold", [("10", "10"), ("$10$", "10"), ("-12", "-12"), ("10.", "10"),
+                                            ("1,234", "1234"), ("1/2", "0.5"), ("\\frac{1}{2}", "0.5"),
+                                            ("27 apples", "27")])
+def test_numbers_in_other_notations_still_match(predicted, gold):
+    assert answers_match(predicted, gold)
+
+
+def test_the_arithmetic_reward_refuses_the_echoed_question():
+    completions = [[{"role": "assistant", "content": "Answer: 14 - 12"}], [{"role": "assistant", "content": "Answer: 2"}]]
+    assert correctness(completions=completions, answer=["2", "2"]) == [0.0, 1.0]
+
+
 # --------------------------------------------------------------------------- registry
 
 
