@@ -4,8 +4,12 @@ documented tool, a reward that sees tool turns, and a counter environment."""
 from __future__ import annotations
 
 import torch
+from datasets import Dataset
+from tiny import tiny_tokenizer
 
+from grpokit.config import GRPOConfig
 from grpokit.rollout.base import Generation, completion_mask_from_eos
+from grpokit.tools import CHATML_TOOLS_TEMPLATE
 
 
 def add(a: int, b: int) -> int:
@@ -70,3 +74,23 @@ class Counter:
 
     def get_reward(self) -> float:
         return 1.0 if self.value == self.target else 0.0
+
+
+def tokenizer(template=CHATML_TOOLS_TEMPLATE):
+    """The tiny tokenizer with a tool-capable chat template."""
+    tok = tiny_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+def args_for(tmp_path, **kw) -> GRPOConfig:
+    """A two-step CPU config for tool runs (completion budget for a call, its result and an answer)."""
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                max_completion_length=200, max_steps=2, logging_steps=1, report_to="none",
+                gradient_checkpointing=False, learning_rate=1e-2, save_strategy="no", use_cpu=True, disable_tqdm=True)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def dataset(n=8) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is 2 + 3? ({i})"}] for i in range(n)]})

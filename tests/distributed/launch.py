@@ -36,11 +36,11 @@ def accelerate_env(config: str) -> dict[str, str]:
     return keep
 
 
-def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT, env: dict | None = None
-             ) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT, env: dict | None = None,
+             worker: Path = WORKER) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), str(out), *args]
+           str(worker), str(out), *args]
     # own process group, so a timeout kills the workers too, not only the launcher
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

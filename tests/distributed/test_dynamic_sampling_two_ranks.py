@@ -3,25 +3,19 @@ with groups that have reward spread, from prompts no other rank drew, and the ba
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
-from launch import TIMEOUT
+from launch import torchrun_ok
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 
 
 def test_two_ranks_keep_only_groups_with_spread(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "dynamic_sampling_worker.py"), str(tmp_path)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun_ok(tmp_path, worker=HERE / "dynamic_sampling_worker.py")
     ranks = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(2)]
     for rank in ranks:
         assert len(rank["seen"]) == 2

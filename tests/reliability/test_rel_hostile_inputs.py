@@ -19,17 +19,11 @@ import struct
 import pytest
 import yaml
 from reliability_helpers import LoadGuard
-from test_rel_config_table import BAD, FILE_CASES
+from test_rel_config_table import BAD, BASE, DROP, FILE_CASES, build_spec, check_message
 
 from grpokit.cli import main
 from grpokit.job import JobError, prepare
 
-BASE = {
-    "model": "never-loaded-model", "task": "arithmetic", "per_device_train_batch_size": 4, "num_generations": 4,
-    "max_completion_length": 8, "max_steps": 2, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
-    "gradient_checkpointing": False, "use_cpu": True, "eval": {"n": 4, "max_new_tokens": 8},
-}
-DROP = object()
 MAX_LINE = 700  # a message is bounded whatever the input (grpokit.cli.MAX_MESSAGE plus the prefix)
 
 # (id, overrides, snippets the one-line message must contain)
@@ -142,21 +136,6 @@ def data_dir(tmp_path_factory):
     (models / "adapter_only_config").mkdir()
     (models / "adapter_only_config" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x"}))
     return d
-
-
-def build_spec(overrides: dict, data_dir, out) -> dict:
-    spec = dict(BASE, output_dir=str(out))
-    for key, value in overrides.items():
-        if value is DROP:
-            spec.pop(key, None)
-        else:
-            spec[key] = value.replace("{tmp}", str(data_dir)) if isinstance(value, str) else value
-    return spec
-
-
-def check_message(message: str, snippets: tuple[str, ...]) -> None:
-    missing = [s for s in snippets if s not in message]
-    assert not missing, f"{missing} not in: {message[:1500]}"
 
 
 def run_cli(argv, capsys) -> str:

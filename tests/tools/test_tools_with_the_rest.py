@@ -8,34 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from datasets import Dataset
-from scripted_tools import ScriptedBackend, add, used_tool
-from tiny import tiny_model, tiny_tokenizer
+from scripted_tools import ScriptedBackend, add, args_for, dataset, tokenizer, used_tool
+from tiny import tiny_model
 
-from grpokit.config import GRPOConfig
 from grpokit.rollout.vllm_backend import VLLMRollout
-from grpokit.tools import CHATML_TOOLS_TEMPLATE
 from grpokit.trainer import GRPOTrainer
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-
-
-def tokenizer():
-    tok = tiny_tokenizer()
-    tok.chat_template = CHATML_TOOLS_TEMPLATE
-    return tok
-
-
-def args_for(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                max_completion_length=200, max_steps=2, logging_steps=1, report_to="none",
-                gradient_checkpointing=False, learning_rate=1e-2, save_strategy="no", use_cpu=True, disable_tqdm=True)
-    base.update(kw)
-    return GRPOConfig(**base)
-
-
-def dataset(n=8):
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is 2 + 3? ({i})"}] for i in range(n)]})
 
 
 class ToolCallingLLM:

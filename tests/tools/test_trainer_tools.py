@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from scripted_tools import Counter, ScriptedBackend, add, used_tool
+from scripted_tools import Counter, ScriptedBackend, add, args_for, dataset, tokenizer, used_tool
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.config import GRPOConfig
 from grpokit.logprobs import completion_logps
-from grpokit.tools import CHATML_TOOLS_TEMPLATE
 from grpokit.trainer import GRPOTrainer
 
 TRL_TEMPLATES = Path(__import__("trl").__file__).parent / "chat_templates"
@@ -23,24 +21,6 @@ TRL_TEMPLATES = Path(__import__("trl").__file__).parent / "chat_templates"
 def model_for(tok):
     """A tiny model with room for the tools' system prompt and a few turns."""
     return tiny_model(tok, max_positions=2048)
-
-
-def tokenizer(template=CHATML_TOOLS_TEMPLATE):
-    tok = tiny_tokenizer()
-    tok.chat_template = template
-    return tok
-
-
-def args_for(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                max_completion_length=200, max_steps=2, logging_steps=1, report_to="none",
-                gradient_checkpointing=False, learning_rate=1e-2, save_strategy="no", use_cpu=True, disable_tqdm=True)
-    base.update(kw)
-    return GRPOConfig(**base)
-
-
-def dataset(n=8):
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is 2 + 3? ({i})"}] for i in range(n)]})
 
 
 def test_tool_turns_are_masked_and_the_model_tokens_log_probs_are_exact(tmp_path):
