@@ -1,9 +1,29 @@
 """Every ``GRPOConfig`` field name, written out so that a job spec's keys are checked without importing
 transformers (which takes seconds). ``tests/test_config_fields.py`` fails when this list and ``GRPOConfig``
 disagree; regenerate it with ``python -m grpokit.config_fields``. Under another transformers version
-:func:`grpokit.job_spec.config_field_names` reads ``GRPOConfig`` itself."""
+:func:`grpokit.job_spec.config_field_names` reads ``GRPOConfig`` itself.
 
+The fields of each loss's own hyper-parameters (``vespo_k_pos``, ``clip_cov_ratio``, ...) are not written here:
+:func:`loss_param_fields` reads them from the loss modules' source (``param(..., config="name")``), so a new loss
+stays one module of :mod:`grpokit.algorithms.losses` with nothing to regenerate."""
+
+import ast
 from pathlib import Path
+
+LOSSES_DIR = Path(__file__).resolve().parent / "algorithms" / "losses"
+
+
+def loss_param_fields() -> frozenset[str]:
+    """The flat config names of every built-in loss's hyper-parameters, read from the source without importing it
+    (torch would take a second)."""
+    names = set()
+    for path in sorted(LOSSES_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "param":
+                names.update(k.value.value for k in node.keywords
+                             if k.arg == "config" and isinstance(k.value, ast.Constant))
+    return frozenset(names)
+
 
 TRANSFORMERS_VERSION = "5.24.0"
 
@@ -24,9 +44,6 @@ FIELDS = frozenset({
     "cache_implementation",
     "cast_lm_head_to_fp32",
     "chat_template_kwargs",
-    "clip_cov_lb",
-    "clip_cov_ratio",
-    "clip_cov_ub",
     "data_seed",
     "dataloader_drop_last",
     "dataloader_in_order",
@@ -88,8 +105,6 @@ FIELDS = frozenset({
     "importance_sampling_level",
     "include_for_metrics",
     "include_num_input_tokens_seen",
-    "kl_cov_coef",
-    "kl_cov_ratio",
     "label_names",
     "label_smoothing_factor",
     "learning_rate",
@@ -154,8 +169,6 @@ FIELDS = frozenset({
     "reward_weights",
     "router_aux_loss_coef",
     "run_name",
-    "sapo_temperature_neg",
-    "sapo_temperature_pos",
     "save_on_each_node",
     "save_only_model",
     "save_steps",
@@ -192,10 +205,6 @@ FIELDS = frozenset({
     "use_transformers_continuous_batching",
     "use_transformers_paged",
     "use_vllm",
-    "vespo_k_neg",
-    "vespo_k_pos",
-    "vespo_lambda_neg",
-    "vespo_lambda_pos",
     "vllm_enable_sleep_mode",
     "vllm_gpu_memory_utilization",
     "vllm_group_port",
@@ -228,7 +237,7 @@ def _source() -> str:
 
     from .config import GRPOConfig
 
-    names = sorted(f.name for f in dataclasses.fields(GRPOConfig) if f.init)
+    names = sorted(f.name for f in dataclasses.fields(GRPOConfig) if f.init and f.name not in loss_param_fields())
     here = Path(__file__).read_text()
     head, tail = here.split("TRANSFORMERS_VERSION = ", 1)[0], here.split("\n})\n", 1)[1]
     body = "".join(f'    "{n}",\n' for n in names)

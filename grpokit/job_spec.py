@@ -54,7 +54,7 @@ def config_field_names() -> frozenset[str]:
     except importlib.metadata.PackageNotFoundError:
         installed = None
     if installed == config_fields.TRANSFORMERS_VERSION:
-        return config_fields.FIELDS
+        return config_fields.FIELDS | config_fields.loss_param_fields()
     import dataclasses
 
     from .config import GRPOConfig
