@@ -29,7 +29,7 @@ from .algorithms import LossScale, LossSettings, policy_loss
 from .algorithms.advantages import group_advantages, nanstd, overlong_penalty
 from .algorithms.entropy import AdaptiveEntropyCoef, entropy_bonus
 from .algorithms.importance import sampler_importance_ratio
-from .algorithms.masks import high_entropy_mask
+from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
 from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import TrainerHooks
 from .checkpoints import CheckpointingMixin, load_rollout_buffer, save_rollout_buffer
@@ -136,6 +136,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             hi=args.entropy_coef_max) if args.use_adaptive_entropy else None
         self._entropy_window: torch.Tensor | None = None
         self.router_aux_loss_coef = _router_aux_loss_coef(model, args)
+        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE router loss is added
         self.rollout = rollout_backend or _default_rollout(model, processing_class, args)
         self._metrics: dict[str, dict[str, list]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._rollouts = RolloutBuffer(args.steps_per_generation, args.steps_per_generation * args.num_iterations)
@@ -680,6 +681,23 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
         everyone = self.accelerator.gather(padded)
         return everyone[~torch.isnan(everyone)]
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's method, for code written against it: True for the valid tokens whose entropy is at least the
+        ``threshold`` quantile of every rank's valid-token entropies (TRL passes ``1 - top_entropy_quantile``).
+        :func:`grpokit.algorithms.high_entropy_mask` with ``top_quantile = 1 - threshold``."""
+        gather = self._gather_entropies if self.accelerator.num_processes > 1 else None
+        return high_entropy_mask(entropies, mask, 1.0 - threshold, gather).bool()
+
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's method, for code written against it: the off-policy sequence mask, (B, 1) — 0 for rows with a
+        negative advantage whose mean sampler-to-policy log-ratio exceeds the threshold.
+        :func:`grpokit.algorithms.off_policy_sequence_mask`."""
+        return off_policy_sequence_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                        off_policy_threshold)
 
     def _skipped_loss(self, model) -> torch.Tensor:
         """The loss of a skipped micro-step: zero, and not computed from the non-finite values (0·NaN is NaN). On one

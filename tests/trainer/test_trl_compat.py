@@ -177,6 +177,7 @@ def test_moe_router_aux_loss(tmp_path):
     trainer = GRPOTrainer(model, varied_reward, args=make_args(tmp_path), train_dataset=chat_dataset(),
                           processing_class=tok)
     assert trainer.router_aux_loss_coef == pytest.approx(0.001)  # the model config's, as TRL
+    assert trainer.aux_loss_enabled is True  # TRL's attribute
     trainer.train()
     logs = train_logs(trainer)
     assert all(h["aux_loss"] > 0 for h in logs)
@@ -184,7 +185,7 @@ def test_moe_router_aux_loss(tmp_path):
     assert routers and all(not torch.equal(before[n], model.get_parameter(n)) for n in routers)
     off = GRPOTrainer(tiny_moe(tok), varied_reward, args=make_args(tmp_path, router_aux_loss_coef=0.0),
                       train_dataset=chat_dataset(), processing_class=tok)
-    assert off.router_aux_loss_coef == 0.0
+    assert off.router_aux_loss_coef == 0.0 and off.aux_loss_enabled is False
 
 
 def test_router_aux_loss_coef_on_a_dense_model_is_an_error(tmp_path):
@@ -261,3 +262,23 @@ def test_report_to_wandb_offline(tmp_path, monkeypatch):
     steps = [d for d in logged if "train/reward" in d]
     assert len(steps) == 2 and all({"train/entropy", "train/completions/mean_length", "train/loss"} <= set(d)
                                    for d in steps)
+
+
+def test_trl_mask_methods_give_hand_computed_values():
+    # TRL's public helpers, for subclasses written against TRL; grpokit's algorithms behind them
+    one_process = type("T", (), {"accelerator": type("A", (), {"num_processes": 1})()})()
+    entropies = torch.tensor([[0.5, 0.1, 0.9], [0.3, 0.7, 2.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # valid entropies 0.1 0.3 0.5 0.7 0.9: their 0.5-quantile is 0.5; the padded 2.0 takes no part
+    got = GRPOTrainer.get_high_entropy_mask(one_process, entropies, mask, 0.5)
+    assert got.dtype == torch.bool and got.tolist() == [[True, False, True], [False, True, False]]
+    assert GRPOTrainer.get_high_entropy_mask(one_process, entropies, mask, 0.0).tolist() == mask.bool().tolist()
+    assert not GRPOTrainer.get_high_entropy_mask(one_process, entropies, torch.zeros_like(mask), 0.5).any()
+
+    advantages = torch.tensor([[0.5], [-0.5], [-0.5]])
+    sampler = torch.zeros(3, 2)
+    logps = torch.tensor([[-3.0, -3.0], [-0.2, -0.4], [-1.0, -9.0]])   # mean drift 3.0, 0.3, and 1.0 over the valid token
+    valid = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    keep = GRPOTrainer.get_off_policy_mask(advantages, logps, sampler, valid, 0.5)
+    assert keep.tolist() == [[1.0], [1.0], [0.0]]   # positive advantage kept; negative kept only while drift ≤ 0.5
+    assert GRPOTrainer.get_off_policy_mask(advantages, logps, sampler, valid, 1.0).tolist() == [[1.0], [1.0], [1.0]]
