@@ -213,28 +213,36 @@ def _load_for_eval(path: str, tokenizer: str | None):
     """The model (a run's ``final/`` adapter on its base model, or a model) and its tokenizer; every loading
     problem is one line naming the model."""
     from .job import JobError
-    from .models import check_model_source, load_model, load_tokenizer
+    from .models import no_progress_bars
 
     try:
-        check_model_source(path)
-        cfg = Path(path) / "adapter_config.json"
-        base = None
-        if cfg.is_file():
-            base = json.loads(cfg.read_text()).get("base_model_name_or_path")
-            if not base:
-                raise ValueError(f"adapter {path!r} does not name its base model (base_model_name_or_path in "
-                                 "adapter_config.json); load the base model and the adapter in Python")
-            check_model_source(base)
-        tok = load_tokenizer(tokenizer or _tokenizer_source(path))
-        if base is None:
-            return load_model(path).eval(), tok
-        from peft import PeftModel
-
-        return PeftModel.from_pretrained(load_model(base), path).eval(), tok
+        with no_progress_bars():
+            return _load_checked(path, tokenizer)
     except JobError:
         raise
     except Exception as e:  # noqa: BLE001 - any loading failure is one line naming the model
         raise JobError(f"model {path!r} could not be loaded: {type(e).__name__}: {_one_line(e)}") from None
+
+
+def _load_checked(path: str, tokenizer: str | None):
+    """:func:`_load_for_eval` without the error wrapping."""
+    from .models import check_model_source, load_model, load_tokenizer
+
+    check_model_source(path)
+    cfg = Path(path) / "adapter_config.json"
+    base = None
+    if cfg.is_file():
+        base = json.loads(cfg.read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"adapter {path!r} does not name its base model (base_model_name_or_path in "
+                             "adapter_config.json); load the base model and the adapter in Python")
+        check_model_source(base)
+    tok = load_tokenizer(tokenizer or _tokenizer_source(path))
+    if base is None:
+        return load_model(path).eval(), tok
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_model(base), path).eval(), tok
 
 
 def _tokenizer_source(model_path: str) -> str:

@@ -256,15 +256,12 @@ class _JobRun:
             lock = RunDirLock(self.out).acquire() if self.main else None
         except RunDirError as e:
             raise JobError(str(e)) from None
-        import transformers
+        from .models import no_progress_bars
 
-        bars = transformers.utils.logging.is_progress_bar_enabled()
-        transformers.utils.logging.disable_progress_bar()  # the job prints its own progress, no loading bars
         try:
-            return self._run()
+            with no_progress_bars():  # the job prints its own progress
+                return self._run()
         finally:
-            if bars:
-                transformers.utils.logging.enable_progress_bar()
             if lock is not None:
                 lock.release()
 

@@ -28,6 +28,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,20 @@ _HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _CACHE_MARKER = "grpokit_cache.json"
 _CACHE_FORMAT = 1
 _STALE_TMP_SECONDS = 15 * 60
+
+
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' loading progress bars off for the block (commands print their own progress), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _builtin_key(name_or_path: str | os.PathLike) -> str | None:

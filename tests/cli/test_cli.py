@@ -106,8 +106,13 @@ def test_examples_parse_and_validate(monkeypatch):
 def test_eval_command(tiny_dir, capsys):
     assert main(["eval", "--model", str(tiny_dir), "--task", "arithmetic", "-n", "4", "--max-new-tokens", "4",
                  "--json"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "accuracy" in out and "95% CI" in out
+    assert "Loading weights" not in captured.err  # no loading progress bars; the command prints its own line
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # switched back on for the rest of the process
     summary = json.loads(out[out.index("{"):])
     assert summary["n"] == 4 and 0.0 <= summary["accuracy"] <= 1.0 and len(summary["accuracy_ci95"]) == 2
 
