@@ -5,7 +5,7 @@ staleness costs the same per step at every s, so a fixed step budget is a fixed 
 wall-clock budget it does not depend on what else the machine is doing), several seeds.
 
     python benchmarks/staleness_study.py run --steps 48 --seeds 0 1 2      # resumable: finished runs are skipped
-    python benchmarks/staleness_study.py summarize                         # table + plot into docs/staleness.md
+    python benchmarks/staleness_study.py summarize                         # prints the table; plot: docs/staleness.png
 
 Each run trains from the same base model and evaluates greedily on the task's 128 held-out questions after
 training (the base model's accuracy is measured once). Results: runs/staleness/<loss>-s<s>-seed<seed>/.
@@ -76,15 +76,19 @@ def summarize() -> str:
         curve = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines() if line]
         rewards = [r["reward"] for r in curve if "reward" in r]
         rows.setdefault((loss, int(s[1:])), []).append({"acc": _accuracy(report, "eval_after"), "rewards": rewards,
-                                                        "seed": int(seed[4:])})
-    lines = ["| loss | staleness | held-out accuracy after (mean ± sd) | seeds | mean reward, last 10 steps |",
+                                                        "seed": int(seed[4:]),
+                                                        "ci": (report.get("eval_after") or {}).get("accuracy_ci95")})
+    lines = ["| loss | staleness | held-out accuracy after | seeds | mean reward, last 10 steps |",
              "|---|---|---|---|---|"]
-    for (loss, s), runs in sorted(rows.items()):
+    for (loss, s), runs in sorted(rows.items(), key=lambda kv: (list(LOSSES).index(kv[0][0]), kv[0][1])):
         accs = [r["acc"] for r in runs if r["acc"] is not None]
         last = [statistics.mean(r["rewards"][-10:]) for r in runs if r["rewards"]]
-        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        lines.append(f"| {loss} | {s} | {statistics.mean(accs):.1%} ± {sd:.1%} | {len(accs)} | "
-                     f"{statistics.mean(last):.3f} |")
+        if len(accs) > 1:
+            acc = f"{statistics.mean(accs):.1%} ± {statistics.stdev(accs):.1%} (sd over seeds)"
+        else:  # one seed: its own 95% interval (128 questions)
+            lo, hi = runs[0]["ci"] or (float("nan"), float("nan"))
+            acc = f"{accs[0]:.1%} (95% CI {lo:.1%}–{hi:.1%})"
+        lines.append(f"| {loss} | {s} | {acc} | {len(accs)} | {statistics.mean(last):.3f} |")
     text = "\n".join(lines)
     if before:
         text += f"\n\nBase model before training: {statistics.mean(before):.1%} (greedy, 128 held-out questions)."
@@ -132,7 +136,8 @@ def main() -> None:
     r.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
     r.add_argument("--eval-n", type=int, default=128)
     r.add_argument("--out", help="where the runs go (default runs/staleness)")
-    sub.add_parser("summarize")
+    sm = sub.add_parser("summarize")
+    sm.add_argument("--out", help="where the runs are (default runs/staleness)")
     args = ap.parse_args()
     global RUNS
     if getattr(args, "out", None):

@@ -6,6 +6,7 @@ Every wrong value raises one ``ValueError`` at construction naming the field, th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -414,6 +415,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         if str(getattr(self.logging_strategy, "value", self.logging_strategy)) == "steps":
             check.number("logging_steps", 0, lo_open=True)
         self._validate_report_to()
+        if self.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+            raise ValueError(
+                "use_liger_kernel=True is not allowed here: liger-kernel is not installed (pip install liger-kernel, "
+                "CUDA only); grpokit's log-prob head never builds the (B, T, V) logits without it"
+            )
         if getattr(self, "auto_find_batch_size", False):
             raise ValueError(
                 "auto_find_batch_size=True is not allowed: shrinking the batch breaks the groups of num_generations "

@@ -1,6 +1,7 @@
 """GRPOConfig: TRL parity, the Unsloth GSPO config verbatim, and one clear error per wrong value."""
 
 import dataclasses
+import importlib.util
 import warnings
 
 import pytest
@@ -104,6 +105,13 @@ def test_wrong_values_raise_one_clear_error(tmp_path, kwargs, names, allowed):
     with pytest.raises(ValueError) as e:
         cfg(tmp_path, **kwargs)
     assert names in str(e.value) and allowed in str(e.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed")
+def test_liger_kernel_without_the_package_is_one_clear_error(tmp_path):
+    # TRL fails at construction too; transformers alone would fail only once training starts
+    with pytest.raises(ValueError, match=r"use_liger_kernel=True is not allowed here: liger-kernel is not installed"):
+        cfg(tmp_path, use_liger_kernel=True)
 
 
 def test_unsupported_fields_listed_are_real_trl_fields():
