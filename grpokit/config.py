@@ -501,8 +501,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         level = self.importance_sampling_level
         if level == "sequence" and spec.aggregation in TOKEN_SUMMED and "sequence" in spec.levels:
             logger.warning(
-                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums per-token terms, so "
-                "each sequence is weighted by its length; GSPO's own aggregation is loss_type='grpo'."
+                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums per-token terms, which "
+                "weights each sequence by its completion length; GSPO's own aggregation is loss_type='grpo'."
             )
         if level not in spec.levels:
             logger.warning(

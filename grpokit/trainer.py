@@ -179,7 +179,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         if len(reward_processing_classes) != len(user):
             raise ValueError(
                 f"reward_processing_classes has {len(reward_processing_classes)} entries for "
-                f"{len(user)} reward functions"
+                f"{len(user)} reward functions: the lengths must match (None for a reward function that is not a model)"
             )
         reward_processing_classes = list(reward_processing_classes) + [None] * len(extra)
         self.reward_processing_classes = []
@@ -590,10 +590,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                 m[f"rewards/{name}/mean"].append(torch.nanmean(col).item())
                 m[f"rewards/{name}/std"].append(nanstd(col).item())
         total = result.rewards
-        mean_reward = torch.nanmean(total).item()
-        if mean_reward != mean_reward:  # NaN: dropped at log time rather than logged as a reward of 0
-            logger.warning("no completion of this %s batch got a reward (every reward function returned None): "
-                           "it contributes no gradient", mode)
+        mean_reward = torch.nanmean(total).item()  # NaN when no row was scored: dropped at log time, never a 0
         m["reward"].append(mean_reward)
         m["reward_std"].append(nanstd(total).item())
         m["frac_reward_zero_std"].append(result.zero_std.float().mean().item())
@@ -865,8 +862,8 @@ def _check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
     evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
     if any(is_iterable_dataset(d) for d in [train_dataset, *evals]):
         if args.accelerator_config.dispatch_batches is True:
-            raise ValueError("accelerator_config.dispatch_batches=True is not allowed with an IterableDataset: every "
-                             "process must read the stream; use False (or leave it unset)")
+            raise ValueError("accelerator_config.dispatch_batches=True is not allowed: Iterable datasets require "
+                             "`dispatch_batches=False` (every process reads the stream); use False or leave it unset")
         args.accelerator_config.dispatch_batches = False
     if args.max_staleness > 0:
         if is_iterable_dataset(train_dataset):

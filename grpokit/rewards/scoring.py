@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import numbers
 from typing import Any
@@ -23,6 +24,8 @@ import torch
 
 from ..data import is_conversational
 from .registry import reward_func_name
+
+logger = logging.getLogger("grpokit")
 
 RESERVED_COLUMNS = ("prompt", "completion", "completion_ids")
 """Dataset columns that are not passed to reward functions under their own name."""
@@ -164,7 +167,23 @@ def score_completions(
             if isinstance(value, BaseException):
                 raise _reward_error(name, reward_funcs[k], kwargs, n, value) from value
             results[k] = _check_values(name, value, n, prompts, completions)
-    return torch.tensor([results[k] for k in range(len(reward_funcs))], dtype=torch.float32).T.reshape(n, len(reward_funcs))
+    out = torch.tensor([results[k] for k in range(len(reward_funcs))], dtype=torch.float32).T.reshape(n, len(reward_funcs))
+    _warn_unscored(out, prompts, completions, columns)
+    return out
+
+
+def _warn_unscored(rewards: torch.Tensor, prompts: list, completions: list, columns: dict[str, list]) -> None:
+    """TRL's warning, for rows that every reward function skipped (advantage 0: they teach nothing), naming the
+    first such row's columns."""
+    unscored = torch.isnan(rewards).all(dim=1) if rewards.shape[1] else torch.zeros(0, dtype=torch.bool)
+    if not unscored.any():
+        return
+    i = int(unscored.nonzero()[0, 0])
+    row = {k: _snippet(v[i], 60) for k, v in columns.items()}
+    row.update(prompt=_snippet(prompts[i], 60), completion=_snippet(completions[i], 60))
+    logger.warning("All reward functions returned None for the following kwargs: %s (%d of %d completions unscored; "
+                   "they get advantage 0 and no gradient). Make sure at least one reward function scores every row.",
+                   ", ".join(f"{k}={v}" for k, v in row.items()), int(unscored.sum()), len(unscored))
 
 
 def _run_async(awaitables: list) -> list:

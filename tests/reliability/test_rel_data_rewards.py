@@ -143,11 +143,20 @@ def test_accepted_reward_containers(value):
     assert out[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_none_means_not_applicable_and_is_never_a_zero(tmp_path):
+def test_none_means_not_applicable_and_is_never_a_zero(tmp_path, caplog):
     """Documented rule: None leaves the function out of that row's reward; a row no function scores gets advantage
-    0 (no gradient) and is left out of the logged mean, which is then absent rather than 0."""
-    out = score(lambda completions, **kw: [None, 1.0, None, 3.0])
+    0 (no gradient) and is left out of the logged mean, which is then absent rather than 0. Such rows are named in
+    one warning (TRL's wording), with the first one's columns."""
+    with caplog.at_level("WARNING", logger="grpokit"):
+        out = score(lambda completions, **kw: [None, 1.0, None, 3.0])
     assert torch.isnan(out[0, 0]) and out[1, 0] == 1.0
+    warned = [r.getMessage() for r in caplog.records if "returned None" in r.getMessage()]
+    assert len(warned) == 1 and "All reward functions returned None for the following kwargs:" in warned[0]
+    assert "answer='0'" in warned[0] and "'reply 0'" in warned[0] and "2 of 4 completions unscored" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpokit"):
+        score(lambda completions, **kw: [0.0, 1.0, 2.0, 3.0])
+    assert not caplog.records
 
     trainer = make_trainer(tmp_path, reward=lambda completions, **kw: [None] * len(completions), max_steps=2,
                            learning_rate=0.1)
