@@ -330,10 +330,16 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def get_eval_dataloader(self, eval_dataset=None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if is_iterable_dataset(dataset):  # TRL: an eval stream is shuffled with the seed and grouped
+            # also for a stream first seen here (evaluate(eval_dataset=...)): every process reads it, one worker
+            self.accelerator.dataloader_config.dispatch_batches = _no_dispatch(self.args)
             g = self.args.num_generations_eval or self.args.num_generations
             per_rank = self.args.per_device_eval_batch_size
             grouped = GroupRepeatIterable(dataset, g, max(1, per_rank * self.args.world_size // g), seed=self.args.seed)
-            return self._get_dataloader(dataset=grouped, description="Evaluation", batch_size=per_rank)
+            workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0  # for this loader only
+            try:
+                return self._get_dataloader(dataset=grouped, description="Evaluation", batch_size=per_rank)
+            finally:
+                self.args.dataloader_num_workers = workers
         return super().get_eval_dataloader(eval_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
@@ -589,7 +595,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             if (~torch.isnan(col)).any():
                 m[f"rewards/{name}/mean"].append(torch.nanmean(col).item())
                 m[f"rewards/{name}/std"].append(nanstd(col).item())
-        total = result.rewards
+        total = result.weighted  # the raw rewards weighted, as TRL logs them (not the normalised sum)
         mean_reward = torch.nanmean(total).item()  # NaN when no row was scored: dropped at log time, never a 0
         m["reward"].append(mean_reward)
         m["reward_std"].append(nanstd(total).item())
@@ -861,10 +867,7 @@ def _check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
     check_dataset("train_dataset", train_dataset)
     evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
     if any(is_iterable_dataset(d) for d in [train_dataset, *evals]):
-        if args.accelerator_config.dispatch_batches is True:
-            raise ValueError("accelerator_config.dispatch_batches=True is not allowed: Iterable datasets require "
-                             "`dispatch_batches=False` (every process reads the stream); use False or leave it unset")
-        args.accelerator_config.dispatch_batches = False
+        args.accelerator_config.dispatch_batches = _no_dispatch(args)
     if args.max_staleness > 0:
         if is_iterable_dataset(train_dataset):
             raise ValueError("max_staleness > 0 is not supported with an IterableDataset train_dataset yet: the rollout "
@@ -890,6 +893,14 @@ def _check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
         check_prompt_count(len(train_dataset), args.generation_batch_size // args.num_generations,
                            f"generation_batch_size {args.generation_batch_size} / num_generations "
                            f"{args.num_generations}")
+
+
+def _no_dispatch(args: GRPOConfig) -> bool:
+    """``dispatch_batches`` for a stream (``IterableDataset``): False, every process reads it; True is refused."""
+    if args.accelerator_config.dispatch_batches is True:
+        raise ValueError("accelerator_config.dispatch_batches=True is not allowed: Iterable datasets require "
+                         "`dispatch_batches=False` (every process reads the stream); use False or leave it unset")
+    return False
 
 
 def _reduce_metrics(values_by_key: dict[str, list]) -> dict[str, float]:

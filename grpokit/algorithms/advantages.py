@@ -61,7 +61,11 @@ class AdvantageResult:
     advantages: torch.Tensor
     """(N,) one advantage per completion; 0 exactly for tied groups and unscorable rows."""
     rewards: torch.Tensor
-    """(N,) the aggregated reward ``R`` (NaN for rows every function skipped)."""
+    """(N,) the aggregated reward ``R`` the advantages are computed from (NaN for rows every function skipped)."""
+    weighted: torch.Tensor
+    """(N,) ``Σ_k w_k·r_k`` of the raw rewards (NaN for rows every function skipped): the logged ``reward``, as in
+    TRL. Equal to ``rewards`` for ``sum_then_normalize``; under ``normalize_then_sum`` ``rewards`` is a sum of
+    group-normalised values (0 for constant rewards) and says nothing about how good the completions were."""
     zero_std: torch.Tensor
     """(N,) True where the row's group had no reward spread (no learning signal)."""
 
@@ -98,6 +102,8 @@ def group_advantages(
     if weights.shape != (k,):
         raise ValueError(f"reward_weights has {weights.numel()} values; expected {k} (one per reward function)")
     unscorable = torch.isnan(rewards).all(-1)
+    weighted = (rewards * weights).nansum(-1)
+    weighted[unscorable] = torch.nan
     g = num_generations
 
     if multi_objective_aggregation == "normalize_then_sum":
@@ -111,8 +117,7 @@ def group_advantages(
         std = nanstd(total) if n > 1 else total.new_zeros(())
         adv = (total - torch.nanmean(total)) / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
     else:
-        total = (rewards * weights).nansum(-1)
-        total[unscorable] = torch.nan
+        total = weighted
         grouped = total.view(-1, g)
         zero = zero_std_groups(total, g).repeat_interleave(g)
         if advantage_estimator == "rloo":
@@ -133,7 +138,7 @@ def group_advantages(
 
     adv = torch.where(zero | unscorable, torch.zeros_like(adv), adv)
     adv = torch.nan_to_num(adv, nan=0.0)
-    return AdvantageResult(advantages=adv, rewards=total, zero_std=zero)
+    return AdvantageResult(advantages=adv, rewards=total, weighted=weighted, zero_std=zero)
 
 
 def compute_advantages(

@@ -158,6 +158,18 @@ def test_normalize_then_sum_by_hand():
                                   scale_rewards=scale).tolist() == approx(expected, rel=1e-10)
 
 
+def test_the_logged_reward_is_the_weighted_raw_reward_under_both_aggregations():
+    # constant rewards 1 and 0 weighted 0.7 / 0.3: the completions are worth 0.7 whichever way advantages are made;
+    # normalize_then_sum's own R is a sum of group-normalised values (0 here) and is not what is logged
+    r = torch.tensor([[1.0, 0.0]] * 4 + [[1.0, float("nan")], [float("nan"), float("nan")], [1.0, 0.0], [1.0, 0.0]], dtype=F64)
+    for agg in ("sum_then_normalize", "normalize_then_sum"):
+        res = group_advantages(r, 4, reward_weights=[0.7, 0.3], multi_objective_aggregation=agg)
+        assert res.weighted[:5].tolist() == approx([0.7] * 5) and math.isnan(res.weighted[5].item())
+        assert res.weighted[6:].tolist() == approx([0.7, 0.7])
+    res = group_advantages(r, 4, reward_weights=[0.7, 0.3], multi_objective_aggregation="normalize_then_sum")
+    assert res.rewards[:4].tolist() == approx([0.0] * 4)
+
+
 def test_normalize_then_sum_differs_from_sum_then_normalize_on_different_scales():
     # GDPO's point: a reward on a large scale does not swamp a small one
     r = torch.tensor([[1.0, 100.0], [0.0, 0.0], [0.0, 100.0], [1.0, 0.0]], dtype=F64)

@@ -115,6 +115,21 @@ def test_iterable_dataset_needs_max_steps_and_its_own_dispatch(tmp_path):
         GRPOTrainer(tiny_model(tok), varied_reward, args=args, train_dataset=stream, processing_class=tok)
 
 
+def test_an_eval_stream_reads_with_one_worker_and_leaves_the_train_loader_alone(tmp_path):
+    tok = tiny_tokenizer()
+    args = make_args(tmp_path, dataloader_num_workers=2, per_device_eval_batch_size=4)
+    trainer = GRPOTrainer(tiny_model(tok), varied_reward, args=args, train_dataset=chat_dataset(),
+                          eval_dataset=chat_dataset(8).to_iterable_dataset(), processing_class=tok)
+    assert trainer.get_train_dataloader().num_workers == 2   # a map-style train set keeps its workers
+    assert trainer.get_eval_dataloader().num_workers == 0    # workers would split a stream's groups
+    assert trainer.args.dataloader_num_workers == 2          # for that loader only
+    # a stream first seen by evaluate(): every process reads it (accelerate would dispatch batches of strings)
+    late = GRPOTrainer(tiny_model(tok), varied_reward, args=make_args(tmp_path / "late", per_device_eval_batch_size=4),
+                       train_dataset=chat_dataset(), processing_class=tok)
+    metrics = late.evaluate(eval_dataset=chat_dataset(8).to_iterable_dataset())
+    assert math.isfinite(metrics["eval_loss"]) and any("eval_reward" in h for h in late.state.log_history)
+
+
 # -- metrics, entropy bonus ----------------------------------------------------------------------------------------
 def test_trl_metric_names(tmp_path):
     trainer = GRPOTrainer(tiny_model(tiny_tokenizer()), varied_reward, args=make_args(tmp_path, loss_type="grpo"),
@@ -282,3 +297,16 @@ def test_trl_mask_methods_give_hand_computed_values():
     keep = GRPOTrainer.get_off_policy_mask(advantages, logps, sampler, valid, 0.5)
     assert keep.tolist() == [[1.0], [1.0], [0.0]]   # positive advantage kept; negative kept only while drift ≤ 0.5
     assert GRPOTrainer.get_off_policy_mask(advantages, logps, sampler, valid, 1.0).tolist() == [[1.0], [1.0], [1.0]]
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_logged_reward_is_weighted_under_both_aggregations(tmp_path, aggregation):
+    # as TRL logs it: the raw rewards weighted (0.7·1 + 0.3·0), not the normalised sum behind the advantages (0)
+    tok = tiny_tokenizer()
+    trainer = GRPOTrainer(tiny_model(tok), [lambda completions, **kw: [1.0] * len(completions),
+                                            lambda completions, **kw: [0.0] * len(completions)],
+                          args=make_args(tmp_path, reward_weights=[0.7, 0.3], multi_objective_aggregation=aggregation,
+                                         max_steps=1),
+                          train_dataset=chat_dataset(), processing_class=tok)
+    trainer.train()
+    assert train_logs(trainer)[-1]["reward"] == pytest.approx(0.7)
