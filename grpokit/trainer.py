@@ -165,8 +165,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         extra = self.multiturn.reward_funcs() if self.multiturn is not None else []  # environments' get_reward
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
             if not extra:
-                raise ValueError("no reward source: pass reward_funcs, or an environment_factory whose environments "
-                                 "have a get_reward() method")
+                raise ValueError("No reward source provided: pass reward_funcs, or an environment_factory whose "
+                                 "environments have a get_reward() method")
             user = []
         else:
             user = resolve_reward_funcs(reward_funcs)
@@ -974,7 +974,8 @@ def _default_dataset(train_dataset, environment_factory, args: GRPOConfig):
     if train_dataset is not None:
         return train_dataset
     if environment_factory is None:
-        return None
+        raise ValueError("`train_dataset` is required: pass a train_dataset, or an environment_factory whose "
+                         "environments make their own prompts (with max_steps)")
     if isinstance(environment_factory, dict):
         raise ValueError("a dict environment_factory (several environments) needs a train_dataset with an "
                          "'environment' column saying which one each prompt uses")

@@ -126,8 +126,11 @@ def test_environment_without_dataset_needs_max_steps(tmp_path):
     with pytest.raises(ValueError, match="max_steps=-1 is not allowed without a train_dataset"):
         GRPOTrainer(model_for(tok), None, args=args_for(tmp_path, max_steps=-1), processing_class=tok,
                     environment_factory=Counter)
-    with pytest.raises(ValueError, match="no reward source"):
+    with pytest.raises(ValueError, match="No reward source provided: pass reward_funcs"):
         GRPOTrainer(model_for(tok), None, args=args_for(tmp_path), train_dataset=dataset(), processing_class=tok)
+    with pytest.raises(ValueError, match="`train_dataset` is required: pass a train_dataset, or an environment_factory"):
+        GRPOTrainer(model_for(tok), lambda completions, **kw: [0.0] * len(completions), args=args_for(tmp_path),
+                    processing_class=tok)  # checked at construction (as TRL), not when train() starts
 
 
 def test_environment_makes_its_own_prompts(tmp_path):
