@@ -97,29 +97,42 @@ def summarize() -> str:
 
 
 def _plot(rows: dict) -> None:
+    """Left: held-out accuracy against staleness (error bars: sd over seeds, or one seed's 95% interval). Right: the
+    training reward, a moving mean over 8 steps (one prompt a step makes the raw curve mostly noise), at staleness 0
+    and 8."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colours = dict(zip(LOSSES, ("tab:blue", "tab:orange", "tab:green")))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for loss in LOSSES:
-        pts = sorted((s, [r["acc"] for r in runs if r["acc"] is not None]) for (lo, s), runs in rows.items()
-                     if lo == loss)
-        if not pts:
+        cells = sorted((s, runs) for (lo, s), runs in rows.items() if lo == loss)
+        if not cells:
             continue
-        xs = [s for s, _ in pts]
-        means = [statistics.mean(a) for _, a in pts]
-        sds = [statistics.stdev(a) if len(a) > 1 else 0.0 for _, a in pts]
-        ax1.errorbar(xs, means, yerr=sds, marker="o", capsize=3, label=loss)
-        for s, runs in ((s, rows[(loss, s)]) for s in xs if s in (0, 8)):
+        xs, means, err = [], [], [[], []]
+        for s, runs in cells:
+            accs = [r["acc"] for r in runs if r["acc"] is not None]
+            mean = statistics.mean(accs)
+            if len(accs) > 1:
+                lo = hi = statistics.stdev(accs)
+            else:
+                ci = runs[0]["ci"] or (mean, mean)
+                lo, hi = mean - ci[0], ci[1] - mean
+            xs.append(s), means.append(mean), err[0].append(lo), err[1].append(hi)
+        ax1.errorbar(xs, means, yerr=err, marker="o", capsize=3, label=loss, color=colours[loss])
+        for s, runs in cells:
+            if s not in (0, 8):
+                continue
             curves = [r["rewards"] for r in runs if r["rewards"]]
             n = min(map(len, curves))
             mean_curve = [statistics.mean(c[i] for c in curves) for i in range(n)]
-            ax2.plot(range(1, n + 1), mean_curve, label=f"{loss}, staleness {s}",
+            smooth = [statistics.mean(mean_curve[max(0, i - 7):i + 1]) for i in range(n)]
+            ax2.plot(range(1, n + 1), smooth, label=f"{loss}, staleness {s}", color=colours[loss],
                      linestyle="-" if s == 0 else "--")
     ax1.set(xlabel="staleness (optimizer steps)", ylabel="held-out accuracy after training", xticks=list(STALENESS))
-    ax2.set(xlabel="step", ylabel="mean reward (mean over seeds)")
+    ax2.set(xlabel="step", ylabel="training reward (moving mean, 8 steps)")
     ax1.legend()
     ax2.legend(fontsize=7)
     fig.tight_layout()
