@@ -654,6 +654,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             self.record_metric(key, value, mode)
         return loss
 
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's attribute: the entropy-bonus coefficient (with ``use_adaptive_entropy``, the controller's current
+        value, applied while the entropy is at or below ``entropy_target``; else ``args.entropy_coef``)."""
+        return self._entropy_ctrl.coef if self._entropy_ctrl is not None else self.args.entropy_coef
+
     def _entropy_bonus_on(self) -> bool:
         return self.args.entropy_coef != 0.0 or self._entropy_ctrl is not None
 

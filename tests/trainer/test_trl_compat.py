@@ -165,6 +165,7 @@ def test_adaptive_entropy_moves_the_coefficient_and_resumes_it(tmp_path):
     trainer.train()
     coefs = [h["entropy_coef"] for h in train_logs(trainer)]
     assert coefs == pytest.approx([0.2, 0.1])
+    assert trainer.entropy_coef == pytest.approx(0.1)  # TRL's attribute: the controller's current value
     state = json.loads(open(os.path.join(args.output_dir, "checkpoint-2", "entropy_ctrl_state.json")).read())
     assert state["entropy_coef"] == pytest.approx(0.1) and state["last_world_entropy"] > 0.2
     resumed = GRPOTrainer(tiny_model(tok), varied_reward, args=make_args(tmp_path, use_adaptive_entropy=True,
@@ -172,6 +173,9 @@ def test_adaptive_entropy_moves_the_coefficient_and_resumes_it(tmp_path):
                           train_dataset=chat_dataset(), processing_class=tok)
     resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     assert [h["entropy_coef"] for h in train_logs(resumed)][-1] == pytest.approx(0.0)  # 0.1 - 0.1, floor 0
+    static = GRPOTrainer(tiny_model(tok), varied_reward, args=make_args(tmp_path / "static", entropy_coef=0.05),
+                         train_dataset=chat_dataset(), processing_class=tok)
+    assert static.entropy_coef == 0.05
 
 
 # -- MoE ------------------------------------------------------------------------------------------------------------
