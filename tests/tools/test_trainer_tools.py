@@ -180,6 +180,19 @@ def test_rollout_func_fields_and_env_mask(tmp_path):
     assert b.loss_mask[0].tolist() == [1, 0, 0, 1] and b.sampler_logps is None  # logprobs: only with use_vllm
 
 
+def test_rollout_func_without_a_required_key_is_one_clear_error(tmp_path):
+    tok = tiny_tokenizer()
+
+    def rollout(prompts, trainer):  # no logprobs
+        return {"prompt_ids": [[5]] * len(prompts), "completion_ids": [[6, tok.eos_token_id]] * len(prompts)}
+
+    trainer = GRPOTrainer(model_for(tok), lambda completions, **kw: [0.0] * len(completions),
+                          args=args_for(tmp_path, max_steps=1), train_dataset=dataset(), processing_class=tok,
+                          rollout_func=rollout)
+    with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\] in its output dict"):
+        trainer.train()
+
+
 TRL_TOOLS_SCRIPT = '''
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer

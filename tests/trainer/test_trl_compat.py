@@ -156,6 +156,20 @@ def test_entropy_bonus_logs_policy_loss_and_coef(tmp_path):
         assert h["loss"] == pytest.approx(h["policy_loss"] - 0.5 * h["entropy"], rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_the_entropy_bonus_alone_moves_the_weights(tmp_path, coef):
+    # a constant reward: every advantage is 0, so the policy term has no gradient; only the bonus can move anything
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = GRPOTrainer(model, lambda completions, **kw: [1.0] * len(completions),
+                          args=make_args(tmp_path, entropy_coef=coef, max_steps=1), train_dataset=chat_dataset(),
+                          processing_class=tok)
+    trainer.train()
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert (len(moved) > 0) == (coef > 0), moved
+
+
 def test_adaptive_entropy_moves_the_coefficient_and_resumes_it(tmp_path):
     tok = tiny_tokenizer()
     # the tiny random model's entropy (~5.5 nats) is far above the target: each step lowers the coefficient
