@@ -237,7 +237,8 @@ def _source() -> str:
 
     from .config import GRPOConfig
 
-    names = sorted(f.name for f in dataclasses.fields(GRPOConfig) if f.init and f.name not in loss_param_fields())
+    of_losses = loss_param_fields()
+    names = sorted(f.name for f in dataclasses.fields(GRPOConfig) if f.init and f.name not in of_losses)
     here = Path(__file__).read_text()
     head, tail = here.split("TRANSFORMERS_VERSION = ", 1)[0], here.split("\n})\n", 1)[1]
     body = "".join(f'    "{n}",\n' for n in names)
