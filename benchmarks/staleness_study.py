@@ -120,7 +120,10 @@ def _plot(rows: dict) -> None:
             else:
                 ci = runs[0]["ci"] or (mean, mean)
                 lo, hi = mean - ci[0], ci[1] - mean
-            xs.append(s), means.append(mean), err[0].append(lo), err[1].append(hi)
+            xs.append(s)
+            means.append(mean)
+            err[0].append(lo)
+            err[1].append(hi)
         ax1.errorbar(xs, means, yerr=err, marker="o", capsize=3, label=loss, color=colours[loss])
         for s, runs in cells:
             if s not in (0, 8):

@@ -418,7 +418,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         if self.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
             raise ValueError(
                 "use_liger_kernel=True is not allowed here: liger-kernel is not installed (pip install liger-kernel, "
-                "CUDA only); grpokit's log-prob head never builds the (B, T, V) logits without it"
+                "CUDA only); grpokit does not need it to save memory: its log-prob head never builds the (B, T, V) logits"
             )
         if getattr(self, "auto_find_batch_size", False):
             raise ValueError(

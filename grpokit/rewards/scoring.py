@@ -175,8 +175,8 @@ def score_completions(
 def _warn_unscored(rewards: torch.Tensor, prompts: list, completions: list, columns: dict[str, list]) -> None:
     """TRL's warning, for rows that every reward function skipped (advantage 0: they teach nothing), naming the
     first such row's columns."""
-    unscored = torch.isnan(rewards).all(dim=1) if rewards.shape[1] else torch.zeros(0, dtype=torch.bool)
-    if not unscored.any():
+    unscored = torch.isnan(rewards).all(dim=1)
+    if rewards.shape[1] == 0 or not unscored.any():  # no function at all: nothing was skipped
         return
     i = int(unscored.nonzero()[0, 0])
     row = {k: _snippet(v[i], 60) for k, v in columns.items()}
