@@ -61,7 +61,7 @@ class TransformersRollout:
             kwargs.update(
                 temperature=params.temperature,
                 top_p=params.top_p,
-                top_k=params.top_k if params.top_k else None,
+                top_k=params.top_k,  # 0 turns top-k off; None would let transformers fill in its default, 50
                 min_p=params.min_p,
                 repetition_penalty=params.repetition_penalty,
             )

@@ -87,3 +87,19 @@ def test_lockstep_generates_with_synced_gpus_and_no_shared_prefill(lockstep):
                                       SamplingParams(max_new_tokens=3, lockstep=lockstep))
     assert seen[0]["synced_gpus"] is lockstep
     assert ("cache" in seen[0]) is (not lockstep)  # the 4 rows are one group: shared prefill unless lockstep
+
+
+@pytest.mark.parametrize("top_k, most", [(0, None), (5, 5)])
+def test_top_k_zero_samples_the_whole_vocabulary(top_k, most):
+    """top_k=0 means no top-k filter (TRL's default); transformers would fill an unset top_k with 50."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    ids, mask = _prompts(tok, ["hi"], 256)
+    params = SamplingParams(max_new_tokens=1, temperature=1000.0, top_k=top_k, extra={"min_new_tokens": 1})
+    torch.manual_seed(0)
+    out = TransformersRollout(tok).generate(model, ids, mask, params)
+    distinct = out.completion_ids[:, 0].unique().numel()
+    if most is None:
+        assert distinct > 100  # near-uniform over 260 tokens: ~160 distinct in 256 draws; top-k 50 caps it at 50
+    else:
+        assert distinct <= most
