@@ -71,25 +71,32 @@ def pad_rollouts(
 
 
 @contextmanager
-def engine_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The model's weights under the names of the plain base model, valid inside the ``with`` block: a PEFT
-    model's adapters are merged in for the block (no copy of the model is made) and unmerged after it."""
-    peft = hasattr(model, "merge_adapter") and getattr(model, "peft_config", None)
-    if peft:
-        model.merge_adapter()
-    try:
-        prefix = "base_model.model."
-        weights = []
+def engine_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The model's weights under the names of the plain base model, read once inside the ``with`` block. A PEFT
+    model's LoRA layers give ``W + ΔW`` computed one layer at a time, in the base weight's dtype, without touching
+    the model: merging into a bf16/fp16 base and unmerging after would round it twice at every sync, and the
+    base would drift (tests/rollout/test_transformers_backend.py measures that drift)."""
+    yield _engine_pairs(model)
+
+
+def _engine_pairs(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    if not (hasattr(model, "merge_adapter") and getattr(model, "peft_config", None)):
         for name, tensor in model.state_dict().items():
-            if peft:
-                if "lora_" in name or ".original_module." in name:
-                    continue  # adapters are merged; the trained copy of a modules_to_save layer is used
-                name = name.removeprefix(prefix).replace(".base_layer", "").replace(".modules_to_save.default", "")
-            weights.append((name, tensor.detach()))
-        yield weights
-    finally:
-        if peft:
-            model.unmerge_adapter()
+            yield name, tensor.detach()
+        return
+    prefix = "base_model.model."
+    layers = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name or ".original_module." in name:
+            continue  # adapters are folded in below; the trained copy of a modules_to_save layer is used
+        layer = layers.get(name.removesuffix(".base_layer.weight")) if name.endswith(".base_layer.weight") else None
+        tensor = tensor.detach()
+        if layer is not None and not layer.merged:
+            adapters = [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
+            if adapters:
+                delta = sum(layer.get_delta_weight(a).float() for a in adapters)
+                tensor = (tensor.float() + delta).to(tensor.dtype)
+        yield name.removeprefix(prefix).replace(".base_layer", "").replace(".modules_to_save.default", ""), tensor
 
 
 class VLLMRollout:

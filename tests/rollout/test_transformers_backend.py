@@ -103,3 +103,27 @@ def test_top_k_zero_samples_the_whole_vocabulary(top_k, most):
         assert distinct > 100  # near-uniform over 260 tokens: ~160 distinct in 256 draws; top-k 50 caps it at 50
     else:
         assert distinct <= most
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generation_leaves_the_lora_base_weights_as_they_were(dtype):
+    """LoRA is merged for generation only where unmerging restores the base (float32); a bf16 base is never
+    merged: merge + unmerge rounds it twice and it drifts, generation after generation."""
+    from peft import LoraConfig, get_peft_model
+
+    tok = tiny_tokenizer()
+    model = get_peft_model(tiny_model(tok).to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                 init_lora_weights=False))
+    base = {k: v.clone() for k, v in model.state_dict().items() if "base_layer" in k}
+    merged = []
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    hook = layer.register_forward_pre_hook(lambda m, a: merged.append(m.merged))
+    ids, mask = _prompts(tok, ["hello"], 2)
+    for _ in range(5):
+        TransformersRollout(tok).generate(model, ids, mask, SamplingParams(max_new_tokens=2))
+    hook.remove()
+    drift = max((model.state_dict()[k].float() - v.float()).abs().max().item() for k, v in base.items())
+    if dtype == torch.bfloat16:
+        assert drift == 0 and not any(merged)
+    else:
+        assert drift < 1e-6 and all(merged)

@@ -201,9 +201,25 @@ def test_lora_weights_are_merged_for_the_engine():
     assert not torch.allclose(weights[q], base_state[q])  # the adapter is merged in
     torch.testing.assert_close(weights["model.layers.0.self_attn.k_proj.weight"],
                                base_state["model.layers.0.self_attn.k_proj.weight"])
-    torch.testing.assert_close(peft_model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight,
-                               base_state[q])  # and the base weight is restored
-    assert not peft_model.base_model.model.model.layers[0].self_attn.q_proj.merged  # unmerged afterwards
+    layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    assert torch.equal(layer.base_layer.weight, base_state[q])  # the base weight is never touched
+    assert not layer.merged
+    peft_model.merge_adapter()  # what the engine gets is what PEFT's own merge gives
+    torch.testing.assert_close(weights[q], layer.base_layer.weight)
+
+
+def test_engine_weights_leave_a_bf16_base_as_it_was():
+    from peft import LoraConfig, get_peft_model
+
+    tok = tiny_tokenizer()
+    model = get_peft_model(tiny_model(tok).to(torch.bfloat16), LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                                          init_lora_weights=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(5):
+        with engine_weights(model) as pairs:
+            weights = dict(pairs)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
 
 
 def test_vespo_rejects_a_sequence_level_sampler_mode(tmp_path):
