@@ -163,8 +163,11 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     if ns.seed is not None:
         spec["seed"] = ns.seed
     spec.update(_parse_set(ns.set or []))
-    print(f"grpokit demo: {ns.algo} on SmolLM2-135M-Instruct (LoRA), task 'arithmetic', "
-          f"training for at most {spec['time_budget_s']} s → {ns.output_dir}", flush=True)
+    budget = spec.get("time_budget_s")
+    shown = f"{budget:g}" if isinstance(budget, (int, float)) else budget
+    limit = f"training for at most {shown} s" if budget else f"training for {spec['max_steps']} steps"
+    print(f"grpokit demo: {ns.algo} on SmolLM2-135M-Instruct (LoRA), task 'arithmetic', {limit} → {ns.output_dir}",
+          flush=True)
     run_job(spec, quiet=ns.quiet, resume=ns.resume, overwrite=ns.overwrite, force_resume=ns.force)
     return 0
 

@@ -45,7 +45,8 @@ def evaluate(
     Returns ``(summary, samples)``: ``summary`` has ``reward_mean``, ``reward_ci95``, ``accuracy`` (share of rows
     whose ``accuracy_reward`` function gave ≥ 1), ``accuracy_ci95`` (Wilson), ``n``, per-function means under
     ``rewards``, ``format_rate`` when a function named ``format`` exists, ``mean_length`` and ``seconds``;
-    ``samples`` the first ``num_samples`` rows (prompt, completion, reward, answer).
+    ``samples`` the first ``num_samples`` rows (prompt, completion, reward, answer, and ``correct``: whether the
+    accuracy reward gave ≥ 1, None without one).
 
     ``multiturn`` (a :class:`grpokit.tools.MultiTurn`): rollouts with tools and environments, as in training, each
     reply up to ``max_new_tokens`` and all turns together up to ``max_completion_length`` (default
@@ -90,9 +91,11 @@ def evaluate(
         summary["tool_failure_rate"] = failures / calls if calls else 0.0
     summary["seconds"] = time.perf_counter() - start
     values = torch.nansum(rewards, dim=1).tolist()
+    correct = (torch.nan_to_num(rewards[:, names.index(accuracy_reward)], nan=0.0) >= 1.0 - 1e-6).tolist() \
+        if accuracy_reward is not None else [None] * len(rows)
     samples = [
         {"prompt": _last_user_turn(rows[i]["prompt"]), "completion": texts_all[i], "reward": values[i],
-         "answer": str(rows[i].get("answer", ""))}
+         "answer": str(rows[i].get("answer", "")), "correct": correct[i]}
         for i in range(min(num_samples, len(rows)))
     ]
     return summary, samples

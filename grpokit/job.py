@@ -288,6 +288,8 @@ class _JobRun:
             self.tell("evaluating the trained model")
             after = self._evaluate(trainer.model, tokenizer, eval_funcs)
             self.tell(_eval_line("after", after[0]))
+            for line in example_lines(before[1], after[1]):
+                self.tell(line)
         if not self.main:
             return {"eval_before": before[0], "eval_after": after[0], "steps": trainer.state.global_step}
         return self._report(trainer, before, after, train_time)
@@ -384,7 +386,7 @@ class _JobRun:
     def _train(self, model, tokenizer, resume_path):
         import transformers
 
-        from .callbacks import MetricsJsonlCallback, ProgressCallback, TimeBudget
+        from .callbacks import HeldOutCurve, MetricsJsonlCallback, ProgressCallback, TimeBudget
         from .checkpoints import CheckpointError
         from .run_dir import ResumeMismatch
         from .trainer import GRPOTrainer
@@ -402,10 +404,14 @@ class _JobRun:
             raise JobError(str(e).replace("peft_config.target_modules", "lora.target_modules")) from None
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
-        trainer.add_callback(MetricsJsonlCallback(str(self.out)))
+        metrics = MetricsJsonlCallback(str(self.out))
+        trainer.add_callback(metrics)
         trainer.add_callback(ProgressCallback(quiet=self.quiet, time_budget_s=budget))
         if budget:
             trainer.add_callback(TimeBudget(float(budget)))
+        if self.ev.get("every_steps") and self.task.eval_dataset is not None:
+            trainer.add_callback(HeldOutCurve(int(self.ev["every_steps"]), lambda m: self._evaluate(
+                m, tokenizer, self._eval_funcs())[0], lambda step, summary: self._held_out(trainer, metrics, summary)))
         start = time.perf_counter()
         try:
             trainer.train(resume_from_checkpoint=resume_path, force_resume=self.force_resume)
@@ -418,6 +424,14 @@ class _JobRun:
             raise TrainingInterrupted(trainer.interrupted, checkpoint, trainer.state.global_step)
         self._save_final(trainer)
         return trainer, time.perf_counter() - start
+
+    def _held_out(self, trainer, metrics, summary: dict[str, Any]) -> None:
+        """One evaluation during training: into metrics.jsonl and one line on the terminal."""
+        from .callbacks import held_out_record
+
+        metrics.write(trainer.state, held_out_record(summary))
+        self.tell(_eval_line(f"held-out at step {trainer.state.global_step}", summary)
+                  + f" | {summary['seconds']:.0f} s")
 
     def _save_final(self, trainer) -> None:
         """The trained model (or adapter) into ``final/``, whole or not at all: written into ``final.tmp`` by every
@@ -466,6 +480,27 @@ def _eval_line(label: str, e: dict[str, Any]) -> str:
     if "format_rate" in e:
         parts.append(f"format {e['format_rate']:.1%}")
     return " | ".join(parts)
+
+
+def example_lines(before: list[dict] | None, after: list[dict] | None, k: int = 3, width: int = 72) -> list[str]:
+    """The first ``k`` held-out questions with the answer before and after training (evaluation samples, in the
+    same order), each reply on one line, cut to ``width`` characters; [] without both."""
+    if not before or not after:
+        return []
+
+    def one_line(text: Any) -> str:
+        text = " ".join(str(text).split())
+        return text if len(text) <= width else text[:width - 1] + "…"
+
+    def mark(sample: dict) -> str:
+        return {True: "right", False: "wrong"}.get(sample.get("correct"), "     ")
+
+    lines = ["examples (held-out questions):"]
+    for b, a in list(zip(before, after))[:k]:
+        lines.append(f"  {one_line(b['prompt'])}" + (f"  [answer {b['answer']}]" if b.get("answer") else ""))
+        lines.append(f"    before  {mark(b)}  {one_line(b['completion'])}")
+        lines.append(f"    after   {mark(a)}  {one_line(a['completion'])}")
+    return lines
 
 
 def _distributed_summary(trainer) -> dict[str, Any]:

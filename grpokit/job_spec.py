@@ -21,12 +21,13 @@ JOB_KEYS = {
                    "picks one per row)",
     "chat_template": "a Jinja chat template file, or chatml-tools (grpokit's ChatML with tools, for SmolLM2)",
     "lora": "LoRA settings: r, alpha, dropout, target_modules (default all-linear)",
-    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true)",
+    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true), every_steps "
+            "(also every this many steps during training; default none)",
     "time_budget_s": "stop training after this many seconds of training wall time",
     "task_args": "extra keyword arguments for the task (e.g. seed, n_eval)",
 }
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
-EVAL_KEYS = ("n", "before", "after", "max_new_tokens", "greedy")
+EVAL_KEYS = ("n", "before", "after", "max_new_tokens", "greedy", "every_steps")
 
 
 class JobError(ValueError):
@@ -126,8 +127,12 @@ def check_eval(ev: dict[str, Any]) -> None:
     if unknown:
         raise JobError(f"unknown eval key(s) {sorted(map(str, unknown))}; allowed: {sorted(EVAL_KEYS)}")
     for key, value in ev.items():
-        if key in ("n", "max_new_tokens") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected a positive integer")
+        if key == "every_steps" and value is None:
+            continue
+        if key in ("n", "max_new_tokens", "every_steps") and (isinstance(value, bool) or not isinstance(value, int)
+                                                             or value < 1):
+            raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected a positive integer"
+                           + (" (or null: no evaluation during training)" if key == "every_steps" else ""))
         if key in ("before", "after", "greedy") and not isinstance(value, bool):
             raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected true or false")
 

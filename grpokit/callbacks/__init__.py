@@ -2,14 +2,16 @@
 
 - :mod:`.training`: :class:`TrainerHooks` (the trainer's own hooks into the loop) and :class:`TimeBudget`;
 - :mod:`.interrupt`: :class:`GracefulInterrupt` (SIGINT/SIGTERM → checkpoint and stop);
+- :mod:`.held_out`: :class:`HeldOutCurve` (held-out accuracy every few steps during training);
 - :mod:`.metrics_file`: :class:`MetricsJsonlCallback` (``metrics.jsonl``);
 - :mod:`.progress`: :class:`ProgressCallback` (the live bar and log lines) and :func:`format_log_line`.
 """
 
+from .held_out import HeldOutCurve, held_out_record
 from .interrupt import GracefulInterrupt
 from .metrics_file import MetricsJsonlCallback
 from .progress import ProgressCallback, format_log_line
 from .training import TimeBudget, TrainerHooks
 
-__all__ = ["GracefulInterrupt", "MetricsJsonlCallback", "ProgressCallback", "TimeBudget", "TrainerHooks",
-           "format_log_line"]
+__all__ = ["GracefulInterrupt", "HeldOutCurve", "MetricsJsonlCallback", "ProgressCallback", "TimeBudget", "TrainerHooks",
+           "format_log_line", "held_out_record"]

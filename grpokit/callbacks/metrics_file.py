@@ -61,10 +61,13 @@ class MetricsJsonlCallback(TrainerCallback):
                 self._resumed_from = int(state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
         self._resolve_dir(args)
-        if self.path is None:
+        self.write(state, logs)
+
+    def write(self, state, logs: dict[str, Any] | None) -> None:
+        """Append one record of ``logs`` at ``state.global_step`` (on the main process; a no-op elsewhere and
+        before the output directory is known)."""
+        if not state.is_world_process_zero or self.path is None:
             return
         if self._t0 is None:  # logging outside train() (e.g. a standalone evaluate())
             self._t0 = time.perf_counter()

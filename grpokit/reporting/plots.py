@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ._util import read_metrics, series
 
-PLOT_FILES = ("reward.png", "completion_length.png", "clipping.png", "entropy.png", "kl.png", "step_time.png")
+PLOT_FILES = ("reward.png", "heldout_accuracy.png", "completion_length.png", "clipping.png", "entropy.png", "kl.png",
+              "step_time.png")
 CLIP_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
 PHI_KEY = "vespo/phi_seq_mean"
 
@@ -159,6 +160,35 @@ def _clipping_plot(records, out: Path) -> Path | None:
     return _save(fig, ax, out)
 
 
+def held_out_points(records, before: dict | None = None, after: dict | None = None,
+                    final_step: int | None = None) -> list[tuple[int, float, float, float]]:
+    """``(step, accuracy, ci_low, ci_high)`` of the held-out evaluations: ``before`` at step 0, those during
+    training (``heldout/*`` records), ``after`` at ``final_step`` (an evaluation summary's ``accuracy`` and
+    ``accuracy_ci95``)."""
+    points = []
+    if before and before.get("accuracy") is not None:
+        points.append((0, before["accuracy"], *before["accuracy_ci95"]))
+    for r in records:
+        values = [r.get(k) for k in ("heldout/accuracy", "heldout/accuracy_ci_low", "heldout/accuracy_ci_high")]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            points.append((r["step"], *values))
+    if after and after.get("accuracy") is not None and final_step is not None:
+        points.append((final_step, after["accuracy"], *after["accuracy_ci95"]))
+    return [(int(s), float(a), float(lo), float(hi)) for s, a, lo, hi in sorted(points, key=lambda p: p[0])]
+
+
+def _held_out_plot(points, out: Path) -> Path | None:
+    if len(points) < 2:
+        return None
+    fig, ax = _new_axes("Accuracy on held-out questions", "accuracy (greedy)")
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    err = [[a - lo for _, a, lo, _ in points], [hi - a for _, a, _, hi in points]]
+    ax.errorbar(xs, ys, yerr=err, color="C1", marker="o", markersize=5, capsize=4, linewidth=2,
+                label="accuracy (bars: 95% CI)")
+    ax.set_ylim(0, 1)
+    return _save(fig, ax, out)
+
+
 def _simple_plot(records, key, title, ylabel, color, out: Path) -> Path | None:
     xs, ys = series(records, key)
     if not xs:
@@ -168,11 +198,13 @@ def _simple_plot(records, key, title, ylabel, color, out: Path) -> Path | None:
     return _save(fig, ax, out)
 
 
-def make_plots(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+def make_plots(metrics_path: str | os.PathLike, out_dir: str | os.PathLike,
+               held_out: list[tuple[int, float, float, float]] | None = None) -> list[Path]:
     """Render training curves from ``metrics_path`` (metrics.jsonl) into ``out_dir``.
 
     Produces (each only when its keys were logged): ``reward.png`` (reward ± reward_std band and
-    each ``rewards/<name>/mean``), ``completion_length.png`` (mean, min–max band), ``clipping.png``
+    each ``rewards/<name>/mean``), ``heldout_accuracy.png`` (``held_out``'s points, from :func:`held_out_points`,
+    when there are two or more), ``completion_length.png`` (mean, min–max band), ``clipping.png``
     (clip ratios / CISPO clip ratio / VESPO phi), ``entropy.png``, ``kl.png``, ``step_time.png``.
     Series with many points get a faint raw line plus a moving average. Returns the written paths;
     an empty, missing or unparseable file gives ``[]``.
@@ -184,6 +216,7 @@ def make_plots(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) -> l
     out_dir.mkdir(parents=True, exist_ok=True)
     makers = [
         lambda: _reward_plot(records, out_dir / "reward.png"),
+        lambda: _held_out_plot(held_out or [], out_dir / "heldout_accuracy.png"),
         lambda: _length_plot(records, out_dir / "completion_length.png"),
         lambda: _clipping_plot(records, out_dir / "clipping.png"),
         lambda: _simple_plot(records, "entropy", "Policy entropy", "entropy (nats / token)", "C5",

@@ -19,7 +19,7 @@ from ._util import (
     to_float,
     truncate,
 )
-from .plots import make_plots
+from .plots import held_out_points, make_plots
 from .stats import wilson_interval
 
 CONFIG_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -177,7 +177,8 @@ def write_report(output_dir: str | os.PathLike, *, config: dict, eval_before: di
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / METRICS_FILENAME
     records = read_metrics(metrics_path)
-    plots = [p.name for p in make_plots(metrics_path, out)] if records else []
+    held_out = held_out_points(records, eval_before, eval_after, (config or {}).get("steps"))
+    plots = [p.name for p in make_plots(metrics_path, out, held_out)] if records else []
     improvement = compute_improvement(eval_before, eval_after)
     config = config or {}
 
@@ -189,6 +190,7 @@ def write_report(output_dir: str | os.PathLike, *, config: dict, eval_before: di
         "wall_time_s": wall_time_s,
         "train_time_s": train_time_s,
         "plots": plots,
+        "held_out_accuracy": [dict(step=st, accuracy=a, ci95=[lo, hi]) for st, a, lo, hi in held_out],
         "final_metrics": _final_metrics(records),
         "extra": extra,
     }

@@ -40,6 +40,31 @@ def test_train_writes_metrics_plots_and_report(tmp_path, tiny_dir, capsys):
     assert "step 1/2" in text and "before:" in text and "after:" in text
 
 
+def test_held_out_accuracy_during_training_and_examples(tmp_path, tiny_dir, capsys):
+    out = tmp_path / "curve"
+    spec = base_spec(tiny_dir, out) | {"max_steps": 5, "eval": {"n": 4, "max_new_tokens": 8, "every_steps": 2}}
+    assert main(["train", write_yaml(tmp_path / "c.yaml", spec), "--quiet"]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    curve = [x for x in lines if "heldout/accuracy" in x]
+    assert [x["step"] for x in curve] == [2, 4]  # not at step 5: the evaluation after training measures that one
+    for x in curve:
+        assert x["heldout/accuracy_ci_low"] <= x["heldout/accuracy"] <= x["heldout/accuracy_ci_high"]
+    report = json.loads((out / "report.json").read_text())
+    assert [p["step"] for p in report["held_out_accuracy"]] == [0, 2, 4, 5]
+    assert "heldout_accuracy.png" in report["plots"] and (out / "heldout_accuracy.png").stat().st_size > 0
+    text = capsys.readouterr().out
+    assert "held-out at step 2: reward" in text and "held-out at step 4: reward" in text
+    assert "examples (held-out questions):" in text
+    assert text.count("    before  ") == 3 and text.count("    after   ") == 3
+
+
+def test_eval_every_steps_is_checked(tmp_path, tiny_dir, capsys):
+    spec = base_spec(tiny_dir, tmp_path / "bad") | {"eval": {"every_steps": 0}}
+    assert main(["train", write_yaml(tmp_path / "c.yaml", spec), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "eval.every_steps=0 is not allowed: expected a positive integer" in err and len(err.splitlines()) == 1
+
+
 def test_lora_job(tmp_path, tiny_dir):
     out = tmp_path / "lora"
     spec = base_spec(tiny_dir, out) | {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},

@@ -251,3 +251,32 @@ def test_log_completions_table():
     text = console.export_text()
     assert table.row_count == 3 and "step 7" in text and "[bold]x[/bold]" in text
     assert "accuracy" in text and "advantage" in text and "0.20" in text
+
+
+def test_held_out_points_order_before_during_after():
+    from grpokit.reporting.plots import held_out_points
+
+    records = [{"step": 1, "reward": 0.1}, {"step": 4, "heldout/accuracy": 0.5, "heldout/accuracy_ci_low": 0.4,
+                                             "heldout/accuracy_ci_high": 0.6},
+               {"step": 2, "heldout/accuracy": 0.25, "heldout/accuracy_ci_low": 0.2, "heldout/accuracy_ci_high": 0.3}]
+    before = {"accuracy": 0.0, "accuracy_ci95": [0.0, 0.1]}
+    after = {"accuracy": 0.75, "accuracy_ci95": [0.6, 0.9]}
+    assert held_out_points(records, before, after, 6) == [(0, 0.0, 0.0, 0.1), (2, 0.25, 0.2, 0.3),
+                                                          (4, 0.5, 0.4, 0.6), (6, 0.75, 0.6, 0.9)]
+    assert held_out_points(records) == [(2, 0.25, 0.2, 0.3), (4, 0.5, 0.4, 0.6)]
+    assert held_out_points([], {"accuracy": None}, after, None) == []  # no accuracy, no step for after
+
+
+def test_example_lines_pair_before_and_after():
+    from grpokit.job import example_lines
+
+    before = [{"prompt": "What is 1 + 1?", "completion": "Well,\nlet me think " + "x" * 100, "answer": "2",
+               "correct": False}] * 4
+    after = [{"prompt": "What is 1 + 1?", "completion": "Answer: 2", "answer": "2", "correct": True}] * 4
+    lines = example_lines(before, after)
+    assert lines[0] == "examples (held-out questions):" and len(lines) == 1 + 3 * 3
+    assert lines[1] == "  What is 1 + 1?  [answer 2]"
+    assert lines[2].startswith("    before  wrong  Well, let me think xxx") and lines[2].endswith("…")
+    assert len(lines[2]) == len("    before  wrong  ") + 72
+    assert lines[3] == "    after   right  Answer: 2"
+    assert example_lines(None, after) == [] and example_lines(before, []) == []
