@@ -3,8 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from ..prefix import accepts_cache, encode_once_per_group, group_size
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
@@ -25,6 +33,46 @@ def _merge_lora(model: torch.nn.Module) -> bool:
         model.merge_adapter()
         return True
     return False
+
+
+#: generation keyword arguments the fast sampler leaves to ``generate`` (processors that run in both of its modes)
+_SAMPLER_SAFE_EXTRA = {"min_new_tokens", "min_length", "suppress_tokens", "begin_suppress_tokens", "bad_words_ids",
+                       "no_repeat_ngram_size", "cache_implementation"}
+
+
+class InverseCDFSampler(LogitsProcessor):
+    """Sampling as the last logits processor of a greedy ``generate``: the warpers sampling would apply (temperature,
+    top-k, top-p, min-p: transformers' own classes, in its order), then one token drawn per row by inverse-CDF on the
+    float64 cumulative probabilities, and returned as the only finite score so that greedy's argmax picks it. The
+    distribution is transformers' exactly (a different random stream); the draw costs ~2 ms for 32 rows × 49k
+    tokens where ``torch.multinomial`` on a CPU draws one exponential per vocabulary entry (~35 ms, a quarter of a
+    decode step of SmolLM2-135M)."""
+
+    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float | None = None):
+        self.warpers = LogitsProcessorList()
+        if temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=top_p))
+        if min_p is not None:
+            self.warpers.append(MinPLogitsWarper(min_p=min_p))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)
+        cdf = probs.double().cumsum_(-1)
+        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+
+def fast_sampler(params: SamplingParams, device: torch.device) -> InverseCDFSampler | None:
+    """The :class:`InverseCDFSampler` for ``params`` on a CPU (where ``torch.multinomial`` is slow), when nothing in
+    ``params.extra`` needs ``generate``'s own sampling mode; else None."""
+    if device.type != "cpu" or not params.do_sample or set(params.extra) - _SAMPLER_SAFE_EXTRA:
+        return None
+    return InverseCDFSampler(params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def _can_share(model: torch.nn.Module, config: GenerationConfig, prompt_len: int) -> bool:
@@ -78,7 +126,10 @@ class TransformersRollout:
     def generate(
         self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> Generation:
+        sampler = fast_sampler(params, prompt_ids.device)
         config = self.generation_config(model, params)
+        if sampler is not None:  # generate's greedy mode; the last processor samples
+            config = self.generation_config(model, dataclasses.replace(params, do_sample=False))
         was_training = model.training
         model.eval()
         merged = _merge_lora(model) if not params.lockstep else False  # a shard cannot take the merge
@@ -93,6 +144,8 @@ class TransformersRollout:
                 g = group_size(ids, mask) if share else 1
                 if g > 1:  # prefill each prompt once, all but its last token: generate then runs that one per row
                     kwargs["cache"], _ = encode_once_per_group(model, ids[:, :-1], mask[:, :-1], g)
+                if sampler is not None:
+                    kwargs["logits_processor"] = LogitsProcessorList([sampler])
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
                 chunks.append(out[:, ids.shape[1]:])
         finally:
