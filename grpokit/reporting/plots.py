@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ._util import read_metrics, series
+from .stats import wilson_interval
 
 PLOT_FILES = ("reward.png", "heldout_accuracy.png", "completion_length.png", "clipping.png", "entropy.png", "kl.png",
               "step_time.png")
@@ -165,15 +166,21 @@ def held_out_points(records, before: dict | None = None, after: dict | None = No
     """``(step, accuracy, ci_low, ci_high)`` of the held-out evaluations: ``before`` at step 0, those during
     training (``heldout/*`` records), ``after`` at ``final_step`` (an evaluation summary's ``accuracy`` and
     ``accuracy_ci95``)."""
+    def ci(ev: dict) -> tuple[float, float]:
+        if ev.get("accuracy_ci95"):
+            return tuple(ev["accuracy_ci95"])
+        n = ev.get("n")
+        return wilson_interval(round(ev["accuracy"] * n), n) if n else (ev["accuracy"], ev["accuracy"])
+
     points = []
     if before and before.get("accuracy") is not None:
-        points.append((0, before["accuracy"], *before["accuracy_ci95"]))
+        points.append((0, before["accuracy"], *ci(before)))
     for r in records:
         values = [r.get(k) for k in ("heldout/accuracy", "heldout/accuracy_ci_low", "heldout/accuracy_ci_high")]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
             points.append((r["step"], *values))
     if after and after.get("accuracy") is not None and final_step is not None:
-        points.append((final_step, after["accuracy"], *after["accuracy_ci95"]))
+        points.append((final_step, after["accuracy"], *ci(after)))
     return [(int(s), float(a), float(lo), float(hi)) for s, a, lo, hi in sorted(points, key=lambda p: p[0])]
 
 

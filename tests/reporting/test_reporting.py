@@ -206,7 +206,8 @@ def test_write_report(tmp_path):
                            samples_after=samples, wall_time_s=600.5, train_time_s=500.0, extra={"x": float("nan")})
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report) == {"config", "eval_before", "eval_after", "improvement", "wall_time_s", "train_time_s",
-                           "plots", "final_metrics", "extra"}
+                           "plots", "final_metrics", "extra", "held_out_accuracy"}
+    assert report["held_out_accuracy"] == [{"step": 0, "accuracy": 0.25, "ci95": [0.18, 0.33]}]  # no step for after
     imp = report["improvement"]
     assert imp["reward_mean"] == pytest.approx(0.31) and imp["accuracy"] == pytest.approx(0.25)
     assert imp["accuracy_significant"] is True  # Wilson(64/128).lo = 0.4147 > 0.33
@@ -265,6 +266,8 @@ def test_held_out_points_order_before_during_after():
                                                           (4, 0.5, 0.4, 0.6), (6, 0.75, 0.6, 0.9)]
     assert held_out_points(records) == [(2, 0.25, 0.2, 0.3), (4, 0.5, 0.4, 0.6)]
     assert held_out_points([], {"accuracy": None}, after, None) == []  # no accuracy, no step for after
+    lo, hi = held_out_points([], None, {"accuracy": 0.5, "n": 128}, 3)[0][2:]  # no interval given: Wilson's
+    assert lo == pytest.approx(0.4147, abs=1e-4) and hi == pytest.approx(0.5853, abs=1e-4)
 
 
 def test_example_lines_pair_before_and_after():
