@@ -288,7 +288,7 @@ class _JobRun:
             self.tell("evaluating the trained model")
             after = self._evaluate(trainer.model, tokenizer, eval_funcs)
             self.tell(_eval_line("after", after[0]))
-            for line in example_lines(before[1], after[1]):
+            for line in example_lines(before[1], after[1], judge=self.task.accuracy_reward):
                 self.tell(line)
         if not self.main:
             return {"eval_before": before[0], "eval_after": after[0], "steps": trainer.state.global_step}
@@ -482,9 +482,11 @@ def _eval_line(label: str, e: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def example_lines(before: list[dict] | None, after: list[dict] | None, k: int = 3, width: int = 72) -> list[str]:
+def example_lines(before: list[dict] | None, after: list[dict] | None, k: int = 3, width: int = 72,
+                  judge: str | None = None) -> list[str]:
     """The first ``k`` held-out questions with the answer before and after training (evaluation samples, in the
-    same order), each reply on one line, cut to ``width`` characters; [] without both."""
+    same order), each reply on one line, cut to ``width`` characters; ``judge``: the reward that says right or
+    wrong, named in the header. [] without both."""
     if not before or not after:
         return []
 
@@ -495,7 +497,8 @@ def example_lines(before: list[dict] | None, after: list[dict] | None, k: int = 
     def mark(sample: dict) -> str:
         return {True: "right", False: "wrong"}.get(sample.get("correct"), "     ")
 
-    lines = ["examples (held-out questions):"]
+    lines = ["examples (held-out questions" + (f"; right or wrong as the {judge!r} reward scores them" if judge
+                                               else "") + "):"]
     for b, a in list(zip(before, after))[:k]:
         lines.append(f"  {one_line(b['prompt'])}" + (f"  [answer {b['answer']}]" if b.get("answer") else ""))
         lines.append(f"    before  {mark(b)}  {one_line(b['completion'])}")

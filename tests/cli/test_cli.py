@@ -54,7 +54,7 @@ def test_held_out_accuracy_during_training_and_examples(tmp_path, tiny_dir, caps
     assert "heldout_accuracy.png" in report["plots"] and (out / "heldout_accuracy.png").stat().st_size > 0
     text = capsys.readouterr().out
     assert "held-out at step 2: reward" in text and "held-out at step 4: reward" in text
-    assert "examples (held-out questions):" in text
+    assert "examples (held-out questions; right or wrong as the 'correctness' reward scores them):" in text
     assert text.count("    before  ") == 3 and text.count("    after   ") == 3
 
 

@@ -278,6 +278,8 @@ def test_example_lines_pair_before_and_after():
     after = [{"prompt": "What is 1 + 1?", "completion": "Answer: 2", "answer": "2", "correct": True}] * 4
     lines = example_lines(before, after)
     assert lines[0] == "examples (held-out questions):" and len(lines) == 1 + 3 * 3
+    assert example_lines(before, after, judge="correctness")[0] == (
+        "examples (held-out questions; right or wrong as the 'correctness' reward scores them):")
     assert lines[1] == "  What is 1 + 1?  [answer 2]"
     assert lines[2].startswith("    before  wrong  Well, let me think xxx") and lines[2].endswith("…")
     assert len(lines[2]) == len("    before  wrong  ") + 72
