@@ -91,14 +91,19 @@ def evaluate(
         summary["tool_failure_rate"] = failures / calls if calls else 0.0
     summary["seconds"] = time.perf_counter() - start
     values = torch.nansum(rewards, dim=1).tolist()
-    correct = (torch.nan_to_num(rewards[:, names.index(accuracy_reward)], nan=0.0) >= 1.0 - 1e-6).tolist() \
-        if accuracy_reward is not None else [None] * len(rows)
+    correct = _correct_rows(rewards, names, accuracy_reward).tolist() if accuracy_reward is not None \
+        else [None] * len(rows)
     samples = [
         {"prompt": _last_user_turn(rows[i]["prompt"]), "completion": texts_all[i], "reward": values[i],
          "answer": str(rows[i].get("answer", "")), "correct": correct[i]}
         for i in range(min(num_samples, len(rows)))
     ]
     return summary, samples
+
+
+def _correct_rows(rewards: torch.Tensor, names: list[str], accuracy_reward: str) -> torch.Tensor:
+    """Rows the accuracy reward scored ≥ 1 (a skipped row, NaN, is wrong)."""
+    return torch.nan_to_num(rewards[:, names.index(accuracy_reward)], nan=0.0) >= 1.0 - 1e-6
 
 
 def _summary(rewards: torch.Tensor, names: list[str], lengths: list[int], accuracy_reward: str | None
@@ -116,8 +121,7 @@ def _summary(rewards: torch.Tensor, names: list[str], lengths: list[int], accura
     if accuracy_reward is not None:
         if accuracy_reward not in names:
             raise ValueError(f"accuracy_reward={accuracy_reward!r} is not among the reward functions {names}")
-        col = rewards[:, names.index(accuracy_reward)]
-        correct = int((torch.nan_to_num(col, nan=0.0) >= 1.0 - 1e-6).sum())
+        correct = int(_correct_rows(rewards, names, accuracy_reward).sum())
         summary["accuracy"] = correct / n
         summary["accuracy_ci95"] = list(wilson_interval(correct, n))
         summary["correct"] = correct

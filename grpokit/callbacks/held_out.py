@@ -8,16 +8,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-HELD_OUT_KEYS = ("heldout/accuracy", "heldout/accuracy_ci_low", "heldout/accuracy_ci_high", "heldout/reward_mean")
+from ..reporting._util import HELD_OUT_KEYS
 
 
 def held_out_record(summary: dict[str, Any]) -> dict[str, float]:
     """The ``heldout/*`` metrics of an evaluation summary (:func:`grpokit.evaluation.evaluate`'s first value)."""
     record = {"heldout/reward_mean": float(summary["reward_mean"])}
     if summary.get("accuracy") is not None:
-        lo, hi = summary["accuracy_ci95"]
-        record.update({"heldout/accuracy": float(summary["accuracy"]), "heldout/accuracy_ci_low": float(lo),
-                       "heldout/accuracy_ci_high": float(hi)})
+        record.update(zip(HELD_OUT_KEYS, map(float, (summary["accuracy"], *summary["accuracy_ci95"]))))
     return record
 
 

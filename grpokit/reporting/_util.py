@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILENAME = "metrics.jsonl"
+#: metrics.jsonl keys of a held-out evaluation during training: accuracy and its 95% interval
+HELD_OUT_KEYS = ("heldout/accuracy", "heldout/accuracy_ci_low", "heldout/accuracy_ci_high")
 
 
 def to_float(value: Any) -> float | None:

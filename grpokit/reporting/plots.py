@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 from ._util import read_metrics, series
-from .stats import wilson_interval
 
 PLOT_FILES = ("reward.png", "heldout_accuracy.png", "completion_length.png", "clipping.png", "entropy.png", "kl.png",
               "step_time.png")
@@ -161,29 +160,6 @@ def _clipping_plot(records, out: Path) -> Path | None:
     return _save(fig, ax, out)
 
 
-def held_out_points(records, before: dict | None = None, after: dict | None = None,
-                    final_step: int | None = None) -> list[tuple[int, float, float, float]]:
-    """``(step, accuracy, ci_low, ci_high)`` of the held-out evaluations: ``before`` at step 0, those during
-    training (``heldout/*`` records), ``after`` at ``final_step`` (an evaluation summary's ``accuracy`` and
-    ``accuracy_ci95``)."""
-    def ci(ev: dict) -> tuple[float, float]:
-        if ev.get("accuracy_ci95"):
-            return tuple(ev["accuracy_ci95"])
-        n = ev.get("n")
-        return wilson_interval(round(ev["accuracy"] * n), n) if n else (ev["accuracy"], ev["accuracy"])
-
-    points = []
-    if before and before.get("accuracy") is not None:
-        points.append((0, before["accuracy"], *ci(before)))
-    for r in records:
-        values = [r.get(k) for k in ("heldout/accuracy", "heldout/accuracy_ci_low", "heldout/accuracy_ci_high")]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-            points.append((r["step"], *values))
-    if after and after.get("accuracy") is not None and final_step is not None:
-        points.append((final_step, after["accuracy"], *ci(after)))
-    return [(int(s), float(a), float(lo), float(hi)) for s, a, lo, hi in sorted(points, key=lambda p: p[0])]
-
-
 def _held_out_plot(points, out: Path) -> Path | None:
     if len(points) < 2:
         return None
@@ -210,7 +186,8 @@ def make_plots(metrics_path: str | os.PathLike, out_dir: str | os.PathLike,
     """Render training curves from ``metrics_path`` (metrics.jsonl) into ``out_dir``.
 
     Produces (each only when its keys were logged): ``reward.png`` (reward ± reward_std band and
-    each ``rewards/<name>/mean``), ``heldout_accuracy.png`` (``held_out``'s points, from :func:`held_out_points`,
+    each ``rewards/<name>/mean``), ``heldout_accuracy.png`` (``held_out``'s points, from
+    :func:`grpokit.reporting.report.held_out_points`,
     when there are two or more), ``completion_length.png`` (mean, min–max band), ``clipping.png``
     (clip ratios / CISPO clip ratio / VESPO phi), ``entropy.png``, ``kl.png``, ``step_time.png``.
     Series with many points get a faint raw line plus a moving average. Returns the written paths;

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..files import atomic_write_text
 from ._util import (
+    HELD_OUT_KEYS,
     METRICS_FILENAME,
     as_text,
     fmt_duration,
@@ -19,7 +20,7 @@ from ._util import (
     to_float,
     truncate,
 )
-from .plots import held_out_points, make_plots
+from .plots import make_plots
 from .stats import wilson_interval
 
 CONFIG_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -63,6 +64,22 @@ def accuracy_ci(ev: dict | None) -> tuple[float, float] | None:
     if acc is not None and n:
         return wilson_interval(round(acc * n), int(n))
     return None
+
+
+def held_out_points(records: list[dict], before: dict | None = None, after: dict | None = None,
+                    final_step: int | None = None) -> list[tuple[int, float, float, float]]:
+    """``(step, accuracy, ci_low, ci_high)`` of the held-out evaluations: ``before`` at step 0, those during
+    training (the ``heldout/*`` records of metrics.jsonl), ``after`` at ``final_step``; in step order."""
+    points = []
+    if _num(before, "accuracy") is not None:
+        points.append((0, before["accuracy"], *accuracy_ci(before)))
+    for r in records:
+        values = [_num(r, k) for k in HELD_OUT_KEYS]
+        if None not in values:
+            points.append((r["step"], *values))
+    if _num(after, "accuracy") is not None and final_step is not None:
+        points.append((final_step, after["accuracy"], *accuracy_ci(after)))
+    return [(int(s), float(a), float(lo), float(hi)) for s, a, lo, hi in sorted(points, key=lambda p: p[0])]
 
 
 def compute_improvement(before: dict | None, after: dict | None) -> dict | None:

@@ -126,10 +126,8 @@ class TransformersRollout:
     def generate(
         self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> Generation:
-        sampler = fast_sampler(params, prompt_ids.device)
-        config = self.generation_config(model, params)
-        if sampler is not None:  # generate's greedy mode; the last processor samples
-            config = self.generation_config(model, dataclasses.replace(params, do_sample=False))
+        sampler = fast_sampler(params, prompt_ids.device)  # when set: generate's greedy mode, the last processor samples
+        config = self.generation_config(model, dataclasses.replace(params, do_sample=False) if sampler else params)
         was_training = model.training
         model.eval()
         merged = _merge_lora(model) if not params.lockstep else False  # a shard cannot take the merge

@@ -255,7 +255,7 @@ def test_log_completions_table():
 
 
 def test_held_out_points_order_before_during_after():
-    from grpokit.reporting.plots import held_out_points
+    from grpokit.reporting.report import held_out_points
 
     records = [{"step": 1, "reward": 0.1}, {"step": 4, "heldout/accuracy": 0.5, "heldout/accuracy_ci_low": 0.4,
                                              "heldout/accuracy_ci_high": 0.6},
