@@ -384,5 +384,13 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 40] + f" ... [{len(text)} characters]"
 
 
+def entry_point() -> None:
+    """The ``grpokit`` command and ``python -m grpokit.cli``: :func:`main`, then an exit that a launched rank
+    survives (grpokit/process_group.py)."""
+    from .process_group import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

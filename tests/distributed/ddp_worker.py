@@ -33,6 +33,7 @@ from datasets import Dataset  # noqa: E402
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 from grpokit.config import GRPOConfig  # noqa: E402
+from grpokit.process_group import exit_process  # noqa: E402
 from grpokit.rollout.base import Generation, completion_mask_from_eos  # noqa: E402
 from grpokit.sharding import full_weights, sharding_kind  # noqa: E402
 from grpokit.trainer import GRPOTrainer  # noqa: E402
@@ -250,3 +251,4 @@ if __name__ == "__main__":
     run(argv[0], int(argv[1]), int(argv[2]), argv[3].split(","), fail, num_generations, shard,
         "--real-rollout" in flags, "--no-gather" not in flags, "--fake-vllm-server" in flags, top_entropy,
         "--lora" in flags, "--adamw" in flags, "--save-steps" in flags, resume)
+    exit_process(0)  # a finished gloo all-gather must not meet the interpreter's teardown

@@ -1,0 +1,39 @@
+"""Ending a multi-process run (torchrun, accelerate launch) without the gloo teardown race.
+
+A gloo work thread can hold the last reference to a finished asynchronous collective (DeepSpeed ZeRO-3 issues its
+all-gathers asynchronously) and release it while the interpreter shuts down: its destructor then waits for the
+GIL of a finalizing interpreter, the thread is unwound through a ``noexcept`` frame and the process aborts
+(``terminate called without an active exception``, SIGABRT) after all its work was done, so the launcher reports a
+failed run. ``destroy_process_group`` does not prevent it (DeepSpeed and accelerate keep references to the groups,
+which are only freed during finalization). So a process that ran a process group ends the way a forked worker
+does: exit handlers run (logging is flushed, trackers close), standard streams are flushed, then ``os._exit``
+skips the interpreter's teardown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+
+
+def distributed_initialized() -> bool:
+    if "torch" not in sys.modules:
+        return False
+    import torch
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def exit_process(code: int) -> None:
+    """Exit with ``code``: with an initialized process group, exit handlers run, standard streams are flushed and
+    the interpreter's teardown is skipped; otherwise a plain ``sys.exit``."""
+    if not distributed_initialized():
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to flush to
+            pass
+    os._exit(code)
