@@ -9,7 +9,7 @@ model's.
     python benchmarks/demo_algos.py summarize                 # the markdown table (docs/demo.md holds it)
 
 A fixed step budget rather than a wall-clock one: what each algorithm is given does not depend on what else the
-machine is doing. Results: runs/demo_algos/<algo>-seed<seed>/.
+machine is doing. Results: runs/demo_algos/<algo>-seed<seed>-<steps>steps/ (runs of several budgets side by side).
 """
 
 from __future__ import annotations
@@ -45,16 +45,17 @@ def run(steps: int, seed: int, algos: list[str]) -> None:
     from grpokit.job import run_job
 
     for algo in algos:
-        out = RUNS / f"{algo}-seed{seed}"
+        out = RUNS / f"{algo}-seed{seed}-{steps}steps"
         if (out / "report.json").is_file():
             continue
-        first = not any(p.is_file() for p in RUNS.glob(f"*-seed{seed}/report.json"))
+        first = not any(p.is_file() for p in RUNS.glob(f"*-seed{seed}-*/report.json"))
         print(f"== {out.name}", flush=True)
         run_job(spec(algo, seed, steps, out, eval_before=first), quiet=True, overwrite=True)
 
 
 def summarize() -> str:
-    reports = {p.parent.name: json.loads(p.read_text()) for p in sorted(RUNS.glob("*/report.json"))}
+    reports = {p.parent.name: json.loads(p.read_text()) for p in RUNS.glob("*/report.json")}
+    reports = dict(sorted(reports.items(), key=lambda kv: (kv[0].split("-seed", 1)[0], kv[1]["config"].get("steps"))))
     base = next((r["eval_before"] for r in reports.values() if (r.get("eval_before") or {}).get("accuracy")
                  is not None), None)
     lines = []
@@ -70,7 +71,7 @@ def summarize() -> str:
         lo, hi = after["accuracy_ci95"]
         learns = "—" if base is None else ("yes" if lo > base["accuracy_ci95"][1] else "**no**")
         minutes = r.get("wall_time_s", 0) / 60
-        lines.append(f"| {name.rsplit('-seed', 1)[0]} | {r['config'].get('steps')} | {after['accuracy']:.1%} "
+        lines.append(f"| {name.split('-seed', 1)[0]} | {r['config'].get('steps')} | {after['accuracy']:.1%} "
                      f"({lo:.1%}–{hi:.1%}) | {learns} | {minutes:.1f} min |")
     return "\n".join(lines)
 
