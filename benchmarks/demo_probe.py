@@ -41,8 +41,9 @@ def framed_accuracy(model, tok, rows, frame) -> tuple[float, dict[str, int]]:
     """Greedy accuracy with the reply started by ``frame``; the wrong answers counted by operation."""
     import torch
 
+    asked = questions(rows)
     texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) + frame(a, op, b)
-             for r, (a, op, b) in zip(rows, questions(rows))]
+             for r, (a, op, b) in zip(rows, asked)]
     side, tok.padding_side = tok.padding_side, "left"
     try:
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -53,7 +54,7 @@ def framed_accuracy(model, tok, rows, frame) -> tuple[float, dict[str, int]]:
     replies = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     wrong = {"+": 0, "-": 0}
     right = 0
-    for reply, r, (_, op, _) in zip(replies, rows, questions(rows)):
+    for reply, r, (_, op, _) in zip(replies, rows, asked):
         m = re.match(r"\s*(\d+)", reply)
         if m and m.group(1) == r["answer"]:
             right += 1

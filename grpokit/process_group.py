@@ -18,6 +18,7 @@ import sys
 
 
 def distributed_initialized() -> bool:
+    """Whether this process has joined a ``torch.distributed`` process group (False when torch is not loaded)."""
     if "torch" not in sys.modules:
         return False
     import torch

@@ -16,17 +16,16 @@ from typing import Any
 
 import torch
 
+from ..process_group import distributed_initialized
 from .base import Generation, SamplingParams
 
 
 def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return torch.distributed.get_world_size() if distributed_initialized() else 1
 
 
 def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return torch.distributed.get_rank() if distributed_initialized() else 0
 
 
 def _all_gather_objects(obj) -> list:
