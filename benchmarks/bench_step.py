@@ -1,11 +1,12 @@
 """One GRPO step on SmolLM2-135M, grpokit's GRPOTrainer vs TRL 1.16's, each in its own subprocess, alternated.
 
-8 completions per step (2 prompts × G=4), exactly 48 new tokens each (``min_new_tokens``), fp32, no gradient
+8 completions per step (2 prompts × G=4), exactly 48 new tokens each (``min_new_tokens``), fp32 (``--dtype``), no gradient
 checkpointing, loss dapo, beta 0, the same seed, weights and prompts (no shuffling) for both.
 
     python benchmarks/bench_step.py                 # 2 alternated runs per side, writes RESULTS.md
     python benchmarks/bench_step.py --runs 1 --steps 4 --no-write
     python benchmarks/bench_step.py --child grpokit --steps 4   # one side, prints JSON
+    python benchmarks/bench_step.py --lora --dtype bfloat16     # the demo's setting: LoRA r16 on bf16 weights
 
 Per step it records wall time and where it went: ``generate`` (the model's ``generate``), ``forward`` (the
 trainer's ``compute_loss``: log-probs + loss), ``backward`` (``accelerator.backward``) and ``rest`` (rewards,
@@ -28,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS, G, NEW_TOKENS = 8, 4, 48
 
 
-def child(side: str, steps: int, seed: int, threads: int = 0) -> dict:
+def child(side: str, steps: int, seed: int, threads: int = 0, lora: bool = False, dtype: str = "float32") -> dict:
     sys.path.insert(0, os.environ.get("GRPOKIT_SRC") or os.path.dirname(HERE))
     import torch
 
@@ -45,7 +46,7 @@ def child(side: str, steps: int, seed: int, threads: int = 0) -> dict:
     task = get_task("arithmetic", seed=0)
     rows = list(task.train_dataset)[:64]
     dataset = Dataset.from_list(rows)
-    model = load_model("smollm2-135m-instruct")
+    model = load_model("smollm2-135m-instruct", dtype=dtype)
     tok = load_tokenizer("smollm2-135m-instruct")
     common = dict(
         output_dir=f"/tmp/bench_step_{side}", per_device_train_batch_size=ROWS, num_generations=G,
@@ -60,8 +61,13 @@ def child(side: str, steps: int, seed: int, threads: int = 0) -> dict:
         # TRL 1.16 on transformers 5 rejects warmup_ratio and needs gradient_checkpointing=False (set above)
     else:
         from grpokit import GRPOConfig, GRPOTrainer
+    peft = None
+    if lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=[correctness, format_reward], args=GRPOConfig(**common),
-                          train_dataset=dataset, processing_class=tok)
+                          train_dataset=dataset, processing_class=tok, peft_config=peft)
 
     spent = {"generate": 0.0, "forward": 0.0, "backward": 0.0}
 
@@ -99,13 +105,15 @@ def child(side: str, steps: int, seed: int, threads: int = 0) -> dict:
     return {"side": side, "steps": records, "rewards": rewards, "mean_length": lengths, "peak_rss_mb": peak_mb}
 
 
-def run_child(side: str, steps: int, seed: int, before: str | None = None, threads: int = 0) -> dict:
+def run_child(side: str, steps: int, seed: int, before: str | None = None, threads: int = 0, lora: bool = False,
+              dtype: str = "float32") -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if side == "grpokit-before":
         env["GRPOKIT_SRC"] = before
     child_side = "grpokit" if side.startswith("grpokit") else side
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", child_side, "--steps", str(steps),
-                          "--seed", str(seed), "--threads", str(threads)], capture_output=True, text=True, env=env,
+                          "--seed", str(seed), "--threads", str(threads), "--dtype", dtype]
+                         + (["--lora"] if lora else []), capture_output=True, text=True, env=env,
                          cwd=HERE)
     if out.returncode != 0:
         raise RuntimeError(f"{side} child failed:\n{out.stderr[-4000:]}")
@@ -129,12 +137,14 @@ def main():
     ap.add_argument("--sides", default="grpokit,trl")
     ap.add_argument("--before", help="a checkout of grpokit before a change: adds the side 'grpokit-before'")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per child (0: torch's default)")
+    ap.add_argument("--lora", action="store_true", help="LoRA r16/α32 on every linear layer (the demo's), both sides")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     ap.add_argument("--save", help="append every run's JSON to this file")
     ap.add_argument("--load", help="summarize the runs saved in this file (with --save) instead of running")
     ap.add_argument("--command", help="with --load: the command that produced the saved runs, for RESULTS.md")
     args = ap.parse_args()
     if args.child:
-        res = child(args.child, args.steps, args.seed, args.threads)
+        res = child(args.child, args.steps, args.seed, args.threads, args.lora, args.dtype)
         res["side"] = "grpokit-before" if os.environ.get("GRPOKIT_SRC") else args.child
         print(json.dumps(res))
         return
@@ -147,7 +157,7 @@ def main():
         results = {s: v for s, v in results.items() if v}
     for r in range(0 if args.load else args.runs):
         for side in (sides if r % 2 == 0 else list(reversed(sides))):
-            res = run_child(side, args.steps, args.seed, args.before, args.threads)
+            res = run_child(side, args.steps, args.seed, args.before, args.threads, args.lora, args.dtype)
             results[side].append(res)
             if args.save:
                 with open(args.save, "a") as f:
@@ -177,7 +187,8 @@ def main():
         command = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
         if args.load:
             command = f"{args.command or command}` (runs saved with --save, summarised with `--load"
-        write_section("GRPO step on SmolLM2-135M", command.strip(), text)
+        setting = ", ".join(([] if not args.lora else ["LoRA r16"]) + ([] if args.dtype == "float32" else [args.dtype]))
+        write_section("GRPO step on SmolLM2-135M" + (f" ({setting})" if setting else ""), command.strip(), text)
 
 
 if __name__ == "__main__":

@@ -164,11 +164,16 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     if ns.seed is not None:
         spec["seed"] = ns.seed
     spec.update(_parse_set(ns.set or []))
+    if "model_init_kwargs" not in spec:  # bf16 weights where this CPU multiplies bf16 natively (docs/demo.md)
+        from .cpu_features import cpu_dtype
+
+        spec["model_init_kwargs"] = {"dtype": cpu_dtype()}
+    dtype = (spec.get("model_init_kwargs") or {}).get("dtype", "float32")
     budget = spec.get("time_budget_s")
     shown = f"{budget:g}" if isinstance(budget, (int, float)) else budget
     limit = f"training for at most {shown} s" if budget else f"training for {spec['max_steps']} steps"
-    print(f"grpokit demo: {ns.algo} on SmolLM2-135M-Instruct (LoRA), task 'arithmetic', {limit} → {ns.output_dir}",
-          flush=True)
+    print(f"grpokit demo: {ns.algo} on SmolLM2-135M-Instruct (LoRA, {dtype} weights), task 'arithmetic', {limit} "
+          f"→ {ns.output_dir}", flush=True)
     run_job(spec, quiet=ns.quiet, resume=ns.resume, overwrite=ns.overwrite, force_resume=ns.force)
     return 0
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
-from .prefix import accepts_cache, encode_once_per_group, group_size, position_ids_from_mask
+from .prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm, position_ids_from_mask
 
 _POSTPROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale",
                          "output_multiplier", "lm_head_multiplier")
@@ -51,20 +51,6 @@ def token_logps_and_entropy(
 
 
 # -- finding the head -----------------------------------------------------------------------------------------------
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The causal LM inside DDP / PEFT wrappers, for looking up its head and config; None for a prompt-learning
-    PEFT model."""
-    inner = getattr(model, "module", None)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and inner is not None:
-        model = inner
-    if getattr(model, "peft_config", None) is not None and hasattr(model, "get_base_model"):
-        active = getattr(model, "active_peft_config", None)
-        if active is None or getattr(active, "is_prompt_learning", False):
-            return None
-        model = model.get_base_model()
-    return model
-
-
 def lean_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head of a decoder-only causal LM (DDP- or PEFT-wrapped or not) whose logits are exactly
     ``lm_head(hidden)``: a plain ``nn.Linear`` (tied or not, with or without bias) and no soft-capping or scaling
@@ -74,7 +60,7 @@ def lean_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
     if sharding_kind(model) is not None:
         return None
-    base = _unwrap(model)
+    base = inner_causal_lm(model)
     if base is None or not hasattr(base, "get_output_embeddings"):
         return None
     cfg = getattr(base, "config", None)
@@ -155,7 +141,7 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
     param = next(model.parameters(), None)
     if param is None or param.device.type not in SHARE_PROMPTS_ON:
         return False
-    base = _unwrap(model)
+    base = inner_causal_lm(model)
     if base is None or getattr(base, "is_activation_checkpointing", False):
         return False
     if model.training:
@@ -175,7 +161,7 @@ def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_
     does not fit."""
     c = completion_ids.shape[1]
     cache, last = encode_once_per_group(  # `last` predicts completion token 0
-        _unwrap(model), prompt_ids, prompt_mask, g,
+        inner_causal_lm(model), prompt_ids, prompt_mask, g,
         forward=lambda ids, mask, cache: _head_inputs(model, head, ids, mask, 1, cache=cache, aux=aux))
     if last is None:
         return None

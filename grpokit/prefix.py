@@ -20,6 +20,20 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def inner_causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The causal LM inside DDP / PEFT wrappers, for looking up its head and config; None for a prompt-learning
+    PEFT model."""
+    inner = getattr(model, "module", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and inner is not None:
+        model = inner
+    if getattr(model, "peft_config", None) is not None and hasattr(model, "get_base_model"):
+        active = getattr(model, "active_peft_config", None)
+        if active is None or getattr(active, "is_prompt_learning", False):
+            return None
+        model = model.get_base_model()
+    return model
+
+
 def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
     """``G`` when the rows are whole groups of ``G`` identical consecutive prompts (how the trainer sends them),
     else 1."""

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .base import Generation, SamplingParams, completion_mask_from_eos
-from .transformers_backend import TransformersRollout, _merge_lora
+from .transformers_backend import TransformersRollout, lora_merged
 
 DEFAULT_MAX_MEMORY_PERCENT = 0.5
 """transformers' engine reserves 90% of free GPU memory for its KV cache by default, which leaves nothing for the
@@ -40,14 +40,12 @@ class ContinuousBatchingRollout:
         inputs = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
         was_training = model.training
         model.eval()
-        merged = _merge_lora(model)
         try:
-            outputs = model.generate_batch(inputs, generation_config=config,
-                                           continuous_batching_config=self.continuous_batching_config(),
-                                           progress_bar=False)
+            with lora_merged(model):
+                outputs = model.generate_batch(inputs, generation_config=config,
+                                               continuous_batching_config=self.continuous_batching_config(),
+                                               progress_bar=False)
         finally:
-            if merged:
-                model.unmerge_adapter()
             model.train(was_training)
         tokens = [outputs[f"req_{i}"].generated_tokens for i in range(len(inputs))]
         width = max(1, max((len(t) for t in tokens), default=0))

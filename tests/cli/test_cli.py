@@ -145,3 +145,35 @@ def test_eval_command(tiny_dir, capsys):
 def test_eval_unknown_task_is_one_line(tiny_dir, capsys):
     assert main(["eval", "--model", str(tiny_dir), "--task", "no_such_task"]) == 2
     assert "no_such_task" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native,expected", [(True, "bfloat16"), (False, "float32")])
+def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_path, capsys, native, expected):
+    """The demo's dtype follows the CPU (bf16 matrix units or not); a dtype the user sets is kept."""
+    import grpokit.cpu_features
+    import grpokit.job
+
+    specs = []
+    monkeypatch.setattr(grpokit.cpu_features, "native_bf16", lambda: native)
+    monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--quiet"]) == 0
+    assert specs[-1]["model_init_kwargs"] == {"dtype": expected}
+    assert f"(LoRA, {expected} weights)" in capsys.readouterr().out
+    assert main(["demo", "--quiet", "--set", "model_init_kwargs={dtype: float16}"]) == 0
+    assert specs[-1]["model_init_kwargs"] == {"dtype": "float16"}
+
+
+def test_native_bf16_reads_torch_cpu_probes(monkeypatch):
+    import torch
+
+    from grpokit.cpu_features import cpu_dtype, native_bf16
+
+    for amx, avx in [(False, False), (True, False), (False, True)]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda avx=avx: avx, raising=False)
+        assert native_bf16() == (amx or avx)
+        assert cpu_dtype() == ("bfloat16" if amx or avx else "float32")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    assert not native_bf16()  # a torch without the probes: float32

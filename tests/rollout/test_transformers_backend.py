@@ -5,9 +5,9 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.prefix import group_size
+from grpokit.prefix import group_size, inner_causal_lm
 from grpokit.rollout.base import SamplingParams
-from grpokit.rollout.transformers_backend import TransformersRollout
+from grpokit.rollout.transformers_backend import TransformersRollout, contiguous_head_input
 
 
 def _prompts(tok, texts, g):
@@ -28,14 +28,22 @@ def test_group_size_detects_whole_groups_only():
     assert group_size(ids2, mask) == 1
 
 
-@pytest.mark.parametrize("g", [1, 3])
-def test_shared_prefill_gives_the_same_completions(g):
+def _lora(model, dtype=torch.float32):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model.to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      init_lora_weights=False))
+
+
+@pytest.mark.parametrize("g,lora", [(1, False), (3, False), (3, True)])
+def test_shared_prefill_gives_the_same_completions(g, lora):
+    """Also for a PEFT model (the LoRA demo): the prompt is encoded once through the LoRA-wrapped inner model."""
     tok = tiny_tokenizer()
-    model = tiny_model(tok)
+    model = _lora(tiny_model(tok)) if lora else tiny_model(tok)
     ids, mask = _prompts(tok, ["hello there", "hi", "what is 2 + 2?"], g)
     params = SamplingParams(max_new_tokens=12, temperature=0.9, extra={"min_new_tokens": 4})
     outs, prefilled = [], []
-    hook = model.model.register_forward_pre_hook(
+    hook = inner_causal_lm(model).model.register_forward_pre_hook(
         lambda m, a, k: prefilled.append(k["input_ids"].numel()) if len(prefilled) < 2 else None, with_kwargs=True)
     for share in (False, True):
         torch.manual_seed(0)
@@ -105,15 +113,13 @@ def test_top_k_zero_samples_the_whole_vocabulary(top_k, most):
         assert distinct <= most
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_generation_leaves_the_lora_base_weights_as_they_were(dtype):
-    """LoRA is merged for generation only where unmerging restores the base (float32); a bf16 base is never
-    merged: merge + unmerge rounds it twice and it drifts, generation after generation."""
-    from peft import LoraConfig, get_peft_model
-
+    """LoRA is merged for generation and the base given back: float32 by unmerging (to ~1e-8), bf16/fp16 (on a
+    CPU) from a copy, bit for bit — unmerging alone would round them twice and they would drift, generation after
+    generation (the check below would see ~0.005 after five)."""
     tok = tiny_tokenizer()
-    model = get_peft_model(tiny_model(tok).to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                                 init_lora_weights=False))
+    model = _lora(tiny_model(tok), dtype)
     base = {k: v.clone() for k, v in model.state_dict().items() if "base_layer" in k}
     merged = []
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
@@ -122,11 +128,52 @@ def test_generation_leaves_the_lora_base_weights_as_they_were(dtype):
     for _ in range(5):
         TransformersRollout(tok).generate(model, ids, mask, SamplingParams(max_new_tokens=2))
     hook.remove()
+    assert merged and all(merged) and not model.base_model.model.model.layers[0].self_attn.q_proj.merged
     drift = max((model.state_dict()[k].float() - v.float()).abs().max().item() for k, v in base.items())
-    if dtype == torch.bfloat16:
-        assert drift == 0 and not any(merged)
-    else:
-        assert drift < 1e-6 and all(merged)
+    assert drift == 0 if dtype != torch.float32 else drift < 1e-6
+
+
+def test_bf16_lora_generation_merged_matches_the_adapter_on_the_side():
+    """The merged bf16 model samples what the unmerged one does (greedy, same tokens on a tiny model)."""
+    from grpokit.rollout import transformers_backend
+
+    tok = tiny_tokenizer()
+    model = _lora(tiny_model(tok), torch.bfloat16)
+    ids, mask = _prompts(tok, ["hello there", "what is 2 + 2?"], 2)
+    params = SamplingParams(max_new_tokens=8, do_sample=False)
+    merged = TransformersRollout(tok).generate(model, ids, mask, params)
+    original = transformers_backend.lora_merged
+    try:
+        transformers_backend.lora_merged = lambda m: __import__("contextlib").nullcontext(False)
+        side = TransformersRollout(tok).generate(model, ids, mask, params)
+    finally:
+        transformers_backend.lora_merged = original
+    assert torch.equal(merged.completion_ids, side.completion_ids)
+
+
+def test_the_lm_head_gets_a_contiguous_input_while_generating():
+    """transformers slices the prefill's last position, a strided view, for the head; on a CPU a strided input
+    makes torch copy the head's weight once per row. Without the hook the head sees that view (so the check can
+    fail); with it, only contiguous inputs."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    ids, mask = _prompts(tok, ["hello there", "what is 2 + 2?"], 1)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(a[0].is_contiguous()))
+    try:
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+        assert seen == [False]  # what transformers hands the head
+        seen.clear()
+        with contiguous_head_input(model):
+            model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+        assert seen == [True]
+        seen.clear()
+        TransformersRollout(tok, share_prompt_prefill=False).generate(
+            model, ids, mask, SamplingParams(max_new_tokens=3, do_sample=False, extra={"min_new_tokens": 3}))
+        assert len(seen) == 3 and all(seen)
+    finally:
+        hook.remove()
+    assert not model.get_output_embeddings()._forward_pre_hooks  # removed after generation
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.6),
