@@ -31,10 +31,9 @@ def recipes() -> dict[str, dict]:
 
 
 def spec(algo: str, seed: int, steps: int, out: Path, eval_before: bool) -> dict:
-    from grpokit.cli import DEMO_SPEC
+    from grpokit.cli import demo_spec
 
-    job = dict(DEMO_SPEC)
-    job.update(recipes()[algo])
+    job = demo_spec(algo)  # what `grpokit demo --algo X` runs, the dtype included
     job.update(output_dir=str(out), seed=seed, max_steps=steps)
     job.pop("time_budget_s", None)
     job["eval"] = {**job["eval"], "before": eval_before, "every_steps": None}

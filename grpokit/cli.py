@@ -46,6 +46,18 @@ dynamic sampling, learning rate 5e-4, sampling at temperature 0.9 among the 50 l
 every 10 steps; ~15 s a step on a 2-core CPU. docs/demo.md has the recipe search behind it and the measured runs."""
 
 
+def demo_spec(algo: str) -> dict[str, Any]:
+    """The demo's job for ``--algo algo``: :data:`DEMO_SPEC`, the algorithm's own settings, and the model's weights in
+    bf16 where this CPU multiplies bf16 natively (AMX / AVX512-BF16), else float32 (docs/demo.md, "Why bf16")."""
+    from .cpu_features import cpu_dtype
+    from .job import algorithms
+
+    spec = dict(DEMO_SPEC)
+    spec.update(algorithms()[algo])
+    spec["model_init_kwargs"] = {"dtype": cpu_dtype()}
+    return spec
+
+
 def _parse_set(pairs: list[str]) -> dict[str, Any]:
     import yaml
 
@@ -150,8 +162,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     recipes = algorithms()
     if ns.algo not in recipes:
         raise JobError(f"--algo {_short(ns.algo)} is not allowed: expected one of {', '.join(recipes)}")
-    spec = dict(DEMO_SPEC)
-    spec.update(recipes[ns.algo])
+    spec = demo_spec(ns.algo)
     if ns.output_dir is None:
         ns.output_dir = "runs/demo" if ns.resume else _free_demo_dir()
     spec["output_dir"] = ns.output_dir
@@ -164,10 +175,6 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     if ns.seed is not None:
         spec["seed"] = ns.seed
     spec.update(_parse_set(ns.set or []))
-    if "model_init_kwargs" not in spec:  # bf16 weights where this CPU multiplies bf16 natively (docs/demo.md)
-        from .cpu_features import cpu_dtype
-
-        spec["model_init_kwargs"] = {"dtype": cpu_dtype()}
     dtype = (spec.get("model_init_kwargs") or {}).get("dtype", "float32")
     budget = spec.get("time_budget_s")
     shown = f"{budget:g}" if isinstance(budget, (int, float)) else budget
