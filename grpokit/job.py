@@ -393,6 +393,9 @@ class _JobRun:
 
         budget = self.job.get("time_budget_s")
         mt = self.multiturn
+        # the job loaded the model with model_init_kwargs (_load): the trainer, given it loaded, would warn that they
+        # are ignored
+        init_kwargs, self.config.model_init_kwargs = self.config.model_init_kwargs, None
         try:
             trainer = GRPOTrainer(model, self.reward_funcs or None, args=self.config,
                                   train_dataset=self.task.train_dataset, processing_class=tokenizer,
@@ -402,6 +405,8 @@ class _JobRun:
                                   else None)
         except (ValueError, TypeError) as e:
             raise JobError(str(e).replace("peft_config.target_modules", "lora.target_modules")) from None
+        finally:
+            self.config.model_init_kwargs = init_kwargs
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
         metrics = MetricsJsonlCallback(str(self.out))

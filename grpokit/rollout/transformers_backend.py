@@ -123,6 +123,13 @@ def fast_sampler(params: SamplingParams, device: torch.device) -> InverseCDFSamp
 
 
 def _can_share(model: torch.nn.Module, config: GenerationConfig, prompt_len: int) -> bool:
+    """Whether each prompt can be prefilled once for its group. Not with sharded weights (FSDP / ZeRO-3): the
+    prefill runs a forward of the causal LM inside the wrappers, which FSDP2 refuses outside its root module's
+    forward (as the training forward's sharing, ``grpokit.logprobs``, is never used there either)."""
+    from ..sharding import sharding_kind
+
+    if sharding_kind(model) is not None:
+        return False
     if prompt_len < 2 or getattr(config, "cache_implementation", None) not in (None, "dynamic"):
         return False
     if (getattr(config, "num_beams", None) or 1) != 1 or (getattr(config, "num_return_sequences", None) or 1) != 1:

@@ -177,3 +177,18 @@ def test_native_bf16_reads_torch_cpu_probes(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     assert not native_bf16()  # a torch without the probes: float32
+
+
+def test_a_job_loads_with_model_init_kwargs_and_the_trainer_does_not_call_them_ignored(tmp_path, tiny_dir, caplog):
+    """The job loads the model with ``model_init_kwargs`` itself; the trainer, handed the loaded model, used to warn
+    that they were ignored (a line in the demo's terminal). The report keeps them."""
+    import logging
+
+    out = tmp_path / "run"
+    spec = {**base_spec(tiny_dir, out), "max_steps": 1, "model_init_kwargs": {"dtype": "bfloat16"}}
+    spec["eval"] = {**spec["eval"], "before": False}
+    cfg = write_yaml(tmp_path / "c.yaml", spec)
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        assert main(["train", cfg, "--quiet"]) == 0
+    assert not [r for r in caplog.records if "ignored" in r.getMessage()], [r.getMessage() for r in caplog.records]
+    assert json.loads((out / "report.json").read_text())["config"]["model_init_kwargs"] == {"dtype": "bfloat16"}
