@@ -50,10 +50,13 @@ def demo_spec(algo: str) -> dict[str, Any]:
     """The demo's job for ``--algo algo``: :data:`DEMO_SPEC`, the algorithm's own settings, and the model's weights in
     bf16 where this CPU multiplies bf16 natively (AMX / AVX512-BF16), else float32 (docs/demo.md, "Why bf16")."""
     from .cpu_features import cpu_dtype
-    from .job import algorithms
+    from .job import JobError, algorithms
 
+    recipes = algorithms()
+    if algo not in recipes:
+        raise JobError(f"--algo {_short(algo)} is not allowed: expected one of {', '.join(recipes)}")
     spec = dict(DEMO_SPEC)
-    spec.update(algorithms()[algo])
+    spec.update(recipes[algo])
     spec["model_init_kwargs"] = {"dtype": cpu_dtype()}
     return spec
 
@@ -157,11 +160,8 @@ def _free_demo_dir(base: str = "runs/demo") -> str:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from .job import JobError, algorithms, run_job
+    from .job import run_job
 
-    recipes = algorithms()
-    if ns.algo not in recipes:
-        raise JobError(f"--algo {_short(ns.algo)} is not allowed: expected one of {', '.join(recipes)}")
     spec = demo_spec(ns.algo)
     if ns.output_dir is None:
         ns.output_dir = "runs/demo" if ns.resume else _free_demo_dir()

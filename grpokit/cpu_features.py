@@ -13,12 +13,12 @@ def native_bf16() -> bool:
     """Whether this CPU has bf16 matrix units (AMX or AVX512-BF16), as torch detects them."""
     import torch
 
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    for check in checks:
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        probe = getattr(torch.cpu, name, None)  # private probes: a torch without them gets float32
         try:
-            if check is not None and check():
+            if probe is not None and probe():
                 return True
-        except (RuntimeError, AttributeError):  # a torch build without the CPU probe
+        except RuntimeError:
             continue
     return False
 

@@ -133,8 +133,34 @@ def test_generation_leaves_the_lora_base_weights_as_they_were(dtype):
     assert drift == 0 if dtype != torch.float32 else drift < 1e-6
 
 
-def test_bf16_lora_generation_merged_matches_the_adapter_on_the_side():
+def test_lora_merged_gives_back_a_mixed_precision_base():
+    """Some LoRA-wrapped weights in float32 among bf16 ones (as models that keep modules in float32 have): the bf16
+    ones come back from the copy, the float32 ones by unmerging, and PEFT's merge record is cleared either way."""
+    from grpokit.rollout.transformers_backend import lora_merged
+
+    tok = tiny_tokenizer()
+    model = _lora(tiny_model(tok), torch.bfloat16)
+    kept = model.base_model.model.model.layers[0].self_attn.q_proj
+    kept.base_layer.float()
+    base = {k: v.clone() for k, v in model.state_dict().items() if "base_layer" in k}
+    with lora_merged(model) as merged:
+        assert merged and kept.merged
+        with lora_merged(model) as again:
+            assert not again  # already merged (by the user, or an outer merge): left as it is
+        assert not torch.equal(kept.base_layer.weight, base["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    for k, v in base.items():
+        now = model.state_dict()[k]
+        if v.dtype == torch.float32:
+            torch.testing.assert_close(now, v, atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(now, v), k
+
+
+def test_bf16_lora_generation_merged_matches_the_adapter_on_the_side(monkeypatch):
     """The merged bf16 model samples what the unmerged one does (greedy, same tokens on a tiny model)."""
+    import contextlib
+
     from grpokit.rollout import transformers_backend
 
     tok = tiny_tokenizer()
@@ -142,12 +168,8 @@ def test_bf16_lora_generation_merged_matches_the_adapter_on_the_side():
     ids, mask = _prompts(tok, ["hello there", "what is 2 + 2?"], 2)
     params = SamplingParams(max_new_tokens=8, do_sample=False)
     merged = TransformersRollout(tok).generate(model, ids, mask, params)
-    original = transformers_backend.lora_merged
-    try:
-        transformers_backend.lora_merged = lambda m: __import__("contextlib").nullcontext(False)
-        side = TransformersRollout(tok).generate(model, ids, mask, params)
-    finally:
-        transformers_backend.lora_merged = original
+    monkeypatch.setattr(transformers_backend, "lora_merged", lambda m: contextlib.nullcontext(False))
+    side = TransformersRollout(tok).generate(model, ids, mask, params)
     assert torch.equal(merged.completion_ids, side.completion_ids)
 
 
