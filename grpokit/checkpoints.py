@@ -256,13 +256,17 @@ class CheckpointingMixin:
             guard = GracefulInterrupt(self)
             self.add_callback(guard)
         guard.install()
+        completed = False
         try:
-            return super().train(resume_from_checkpoint=resume, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            result = super().train(resume_from_checkpoint=resume, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            completed = True
+            return result
         finally:
             guard.uninstall()
             self.interrupted = guard.received
-            self.end_training()  # a rollout producer stops however training ended
+            # a rollout producer stops however training ended; a completed run gets its averaged weights
+            self.end_training(completed=completed and not self.interrupted)
 
     def _save_checkpoint(self, model, trial) -> None:
         """One narrow override: transformers' own ``_save_checkpoint`` writes the checkpoint, with ``output_dir``

@@ -252,6 +252,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=4, metadata=_meta("Dynamic sampling: extra generation rounds at most per generation batch; what is still "
                                   "missing then is filled with groups without reward spread.")
     )
+    ema_decay: float | None = field(
+        default=None, metadata=_meta("Keep an exponential moving average of the trained weights (the adapter's with "
+                                     "LoRA) with this decay, in (0, 1), ramped up as min(decay, (1+t)/(10+t)); the "
+                                     "model gets the average when training ends. None: off.")
+    )
     skip_nonfinite_steps: bool = field(
         default=False,
         metadata=_meta("Skip (and count) a micro-step whose loss is not finite instead of raising."),
@@ -344,6 +349,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("steps_per_generation", 1, integer=True, optional=True)
         check.number("overlong_penalty_factor", 0)
         check.number("dynamic_sampling_max_rounds", 1, integer=True)
+        check.number("ema_decay", 0, 1, lo_open=True, hi_open=True, optional=True)
         check.number("max_staleness", 0, integer=True)
         check.number("max_tool_calling_iterations", 0, integer=True, optional=True)
         check.number("weight_sync_steps", 1, integer=True)

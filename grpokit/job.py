@@ -314,13 +314,20 @@ class _JobRun:
         return resume_path
 
     def _load(self):
-        from .models import load_model, load_tokenizer
+        from .models import builtin_cache_dir, builtin_cache_missing, load_model, load_tokenizer
 
         name, trust = self.job["model"], self.config.trust_remote_code
+        converting = builtin_cache_missing(name)
+        if converting:
+            self.tell(f"first use of {name} on this machine: converting its GGUF file into {builtin_cache_dir(name)} "
+                      "(once; later runs load that copy)")
+        start = time.perf_counter()
         try:
-            tokenizer = load_tokenizer(name, trust_remote_code=trust)
+            tokenizer = load_tokenizer(name, trust_remote_code=trust)  # a built-in's first load converts it
         except Exception as e:  # noqa: BLE001 - any loading failure is one line naming the model
             raise JobError(f"the tokenizer of {name!r} could not be loaded: {type(e).__name__}: {e}") from None
+        if converting:
+            self.tell(f"converted in {time.perf_counter() - start:.0f} s")
         if self.task.chat_template is not None:
             tokenizer.chat_template = self.task.chat_template
         if self.multiturn is not None:  # before the weights load: a wrong template fails fast
@@ -415,8 +422,12 @@ class _JobRun:
         if budget:
             trainer.add_callback(TimeBudget(float(budget)))
         if self.ev.get("every_steps") and self.task.eval_dataset is not None:
-            trainer.add_callback(HeldOutCurve(int(self.ev["every_steps"]), lambda m: self._evaluate(
-                m, tokenizer, self._eval_funcs())[0], lambda step, summary: self._held_out(trainer, metrics, summary)))
+            def evaluate_during(model):  # with ema_decay, the averaged weights: what the run would deliver now
+                with trainer.averaged_weights():
+                    return self._evaluate(model, tokenizer, self._eval_funcs())[0]
+
+            trainer.add_callback(HeldOutCurve(int(self.ev["every_steps"]), evaluate_during,
+                                              lambda step, summary: self._held_out(trainer, metrics, summary)))
         start = time.perf_counter()
         try:
             trainer.train(resume_from_checkpoint=resume_path, force_resume=self.force_resume)

@@ -19,6 +19,7 @@ Three kinds of name are understood by :func:`load_model` and :func:`load_tokeniz
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import inspect
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "BUILTIN_MODELS",
     "builtin_cache_dir",
+    "builtin_cache_missing",
     "cache_root",
     "ensure_builtin_cache",
     "load_model",
@@ -267,14 +269,36 @@ def _strip_quantization(model) -> None:
         model.is_quantized = False
 
 
+@contextmanager
+def _gguf_progress_bar_follows_transformers() -> Iterator[None]:
+    """transformers' GGUF conversion draws its own ``tqdm`` bar, which ignores ``disable_progress_bar()``: while
+    transformers' progress bars are off (a job's loading, :func:`no_progress_bars`), that bar is off too."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support fails later, with its own message
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def _load_gguf_model(directory: str, gguf_file: str, *, dtype, trust_remote_code: bool, **kwargs):
     from transformers import AutoModelForCausalLM
 
     load_kwargs = _gguf_load_kwargs(gguf_file)
     load_kwargs.update(kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, trust_remote_code=trust_remote_code, **load_kwargs
-    )
+    with _gguf_progress_bar_follows_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=dtype, trust_remote_code=trust_remote_code, **load_kwargs
+        )
     _strip_quantization(model)
     return model
 
@@ -293,6 +317,20 @@ def _clean_stale_tmp(root: Path, key: str) -> None:
                 shutil.rmtree(stale, ignore_errors=True)
         except OSError:
             pass
+
+
+def builtin_cache_missing(name: str) -> bool:
+    """True when ``name`` is a built-in model whose cached checkpoint is not written yet (or is outdated): loading it
+    converts the GGUF file first, once (:func:`ensure_builtin_cache`). False for any other name, and when the
+    GGUF file itself is missing (loading then says what to install)."""
+    key = _builtin_key(name)
+    if key is None:
+        return False
+    try:
+        gguf = _find_builtin_gguf(key)
+    except FileNotFoundError:
+        return False
+    return not _cache_is_valid(builtin_cache_dir(key), _cache_fingerprint(gguf))
 
 
 def ensure_builtin_cache(name: str = "smollm2-135m-instruct") -> Path:

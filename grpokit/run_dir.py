@@ -203,7 +203,7 @@ def claim_output_dir(output_dir: str | os.PathLike, *, resuming: bool, overwrite
 # -- what a checkpoint means ----------------------------------------------------------------------------------------
 SIGNATURE_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "num_generations",
                     "generation_batch_size", "steps_per_generation", "num_iterations", "loss_type",
-                    "importance_sampling_level")
+                    "importance_sampling_level", "ema_decay")
 
 
 def run_signature(args, model_name: str | None, adapter: bool) -> dict[str, Any]:

@@ -145,6 +145,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._last_samples: dict[str, Any] | None = None
         self._pending_reward_metrics: dict[str, list[float]] = defaultdict(list)
         self._refill_position = 0  # dynamic sampling's own stream of prompts
+        self._weight_average = None  # ema_decay's average of the trained weights, made when training starts
         self._async = None
         if args.max_staleness > 0:
             from .async_rollouts import AsyncRollouts
@@ -208,9 +209,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._total_tokens = int(state.num_input_tokens_seen or 0)
         if self.args.sync_ref_model:
             check_sync_ref_model(self.args, peft=False, sharding=sharding_kind(self.model_wrapped or self.model))
+        self._weight_average = self._start_weight_average()
         if self._resume_checkpoint:
             if self.args.sync_ref_model:
                 load_reference(self.accelerator.unwrap_model(self.ref_model), self._resume_checkpoint)
+            if self._weight_average is not None:
+                self._weight_average.load(self._resume_checkpoint)
             load_rollout_buffer(self._rollouts, self._resume_checkpoint, self.accelerator.device,
                                 self.args.process_index, self.args.world_size)
             path = os.path.join(self._resume_checkpoint, ENTROPY_STATE_FILE)
@@ -222,10 +226,31 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         if self._async is not None:
             self._async.start(state)
 
-    def end_training(self) -> None:
-        """After training, normally or not: the rollout producer stops."""
+    def _start_weight_average(self):
+        """``ema_decay``'s average, starting from the weights as they are (a resume then loads the saved one)."""
+        if self.args.ema_decay is None:
+            return None
+        kind = sharding_kind(self.model_wrapped or self.model)
+        if kind is not None:
+            name = "FSDP" if kind.startswith("fsdp") else "DeepSpeed ZeRO-3"
+            raise ValueError(f"ema_decay={self.args.ema_decay!r} is not supported with {name} yet (each process holds "
+                             "only a shard of the weights); use DDP or ZeRO-1/2, or leave ema_decay at None")
+        from .weight_average import WeightAverage
+
+        return WeightAverage(self.accelerator.unwrap_model(self.model), self.args.ema_decay)
+
+    def averaged_weights(self):
+        """A context in which the model holds ``ema_decay``'s averaged weights (what training would deliver if it
+        ended now), the trained ones restored after; without ``ema_decay``, or before training, the model as it is."""
+        return self._weight_average.applied() if self._weight_average is not None else contextlib.nullcontext()
+
+    def end_training(self, completed: bool = False) -> None:
+        """After training, normally or not: the rollout producer stops; a run that completed (not interrupted, no
+        error) gets ``ema_decay``'s averaged weights."""
         if self._async is not None:
             self._async.close()
+        if completed and self._weight_average is not None:
+            self._weight_average.copy_to_model()
 
     def after_optimizer_step(self, state) -> None:
         """The reference takes its share of the policy (``sync_ref_model``, every ``ref_model_sync_steps`` steps);
@@ -234,6 +259,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         if a.sync_ref_model and state.global_step % a.ref_model_sync_steps == 0:
             unwrap = self.accelerator.unwrap_model
             mix_into_reference(unwrap(self.model), unwrap(self.ref_model), a.ref_model_mixup_alpha)
+        if self._weight_average is not None:
+            self._weight_average.update()
         if self._async is not None:
             self._async.after_step(state)
 
@@ -242,6 +269,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         save_rollout_buffer(self._rollouts, checkpoint_dir, self.args.process_index, self.args.world_size)
         if self.args.sync_ref_model and self.args.should_save:
             save_reference(self.accelerator.unwrap_model(self.ref_model), checkpoint_dir)
+        if self._weight_average is not None and self.args.should_save:
+            self._weight_average.save(checkpoint_dir)
         if self._entropy_ctrl is not None and self.args.should_save:
             atomic_write_text(os.path.join(checkpoint_dir, ENTROPY_STATE_FILE),
                               json.dumps(self._entropy_ctrl.state_dict()))

@@ -192,3 +192,44 @@ def test_a_job_loads_with_model_init_kwargs_and_the_trainer_does_not_call_them_i
         assert main(["train", cfg, "--quiet"]) == 0
     assert not [r for r in caplog.records if "ignored" in r.getMessage()], [r.getMessage() for r in caplog.records]
     assert json.loads((out / "report.json").read_text())["config"]["model_init_kwargs"] == {"dtype": "bfloat16"}
+
+
+def test_first_use_of_a_builtin_model_says_it_converts_once(tmp_path, tiny_dir, capsys, monkeypatch):
+    """A newcomer's first run converts the embedded model (once): the job says so and how long it took, in its own
+    lines (the conversion's progress bar stays off)."""
+    import grpokit.models
+
+    monkeypatch.setattr(grpokit.models, "builtin_cache_missing", lambda name: True)
+    monkeypatch.setattr(grpokit.models, "builtin_cache_dir", lambda name: tmp_path / "cache" / "tiny")
+    out = tmp_path / "run"
+    spec = {**base_spec(tiny_dir, out), "max_steps": 1}
+    spec["eval"] = {**spec["eval"], "before": False, "after": False}
+    assert main(["train", write_yaml(tmp_path / "c.yaml", spec)]) == 0
+    text = capsys.readouterr().out
+    assert f"converting its GGUF file into {tmp_path / 'cache' / 'tiny'} (once; later runs load that copy)" in text
+    assert "converted in " in text
+
+
+def test_a_job_with_ema_decay_evaluates_and_delivers_the_average(tmp_path, tiny_dir):
+    """final/ holds the averaged weights (the checkpoint of the last step holds both: the trained ones and the
+    average, for a resume)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    (tmp_path / "spread_rewards.py").write_text(  # beside the config: rewards with spread, so the weights move
+        "def spread(completions, **kw):\n    return [len(set(c[0]['content'])) / 8.0 for c in completions]\n")
+    spec = base_spec(tiny_dir, out) | {"max_steps": 3, "ema_decay": 0.5, "learning_rate": 0.05,
+                                       "reward_funcs": "spread_rewards:spread",
+                                       "save_strategy": "steps", "save_steps": 3,
+                                       "eval": {"n": 4, "max_new_tokens": 8, "every_steps": 2}}
+    assert main(["train", write_yaml(tmp_path / "c.yaml", spec), "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["ema_decay"] == 0.5
+    assert [p["step"] for p in report["held_out_accuracy"]] == [0, 2, 3]
+    final = load_file(str(out / "final" / "model.safetensors"))
+    trained = load_file(str(out / "checkpoint-3" / "model.safetensors"))
+    average = load_file(str(out / "checkpoint-3" / "grpokit_weight_average.safetensors"))
+    for name, value in final.items():
+        assert torch.equal(value, average[name].to(value.dtype)), name
+    assert any(not torch.equal(final[k], trained[k]) for k in final)

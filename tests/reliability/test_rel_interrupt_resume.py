@@ -52,6 +52,9 @@ SCHEDULES = [
     ("epoch_boundary", dict(per_device_train_batch_size=8, dataset=chat_dataset(8)), 4, 6),  # 4 steps an epoch
     ("mid_generation_steps_per_gen", dict(steps_per_generation=2), 1, 4),
     ("mid_generation_num_iterations", dict(num_iterations=2, loss_type="grpo", epsilon=0.05), 3, 4),
+    # the weight average travels in the checkpoint; the interrupted run keeps its trained weights, and the resumed
+    # one ends with the same average as the uninterrupted run
+    ("ema_decay", dict(ema_decay=0.8), 2, 4),
 ]
 
 

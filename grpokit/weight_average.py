@@ -1,0 +1,99 @@
+"""An exponential moving average of the trained weights (``GRPOConfig.ema_decay``).
+
+After every optimizer step ``t`` (1, 2, ...) the average ``W̄`` of each trained parameter ``W`` (the adapter's with
+LoRA) moves toward it::
+
+    d_t = min(decay, (1 + t) / (10 + t))        W̄ ← d_t · W̄ + (1 − d_t) · W
+
+(the ramp is TensorFlow's ``ExponentialMovingAverage(num_updates=t)``: early averages are not dominated by the
+initial weights). ``W̄`` is kept in float32 whatever the parameter's dtype. Training itself follows ``W``; the
+average is what the run delivers: the trainer copies it into the model when training ends (not when it is
+interrupted: a checkpoint holds both, and a resumed run goes on from ``W``), and a job's held-out evaluations
+during training measure it. It smooths the step-to-step swings of a policy trained at a high learning rate
+(docs/demo.md, "Weight averaging").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+WEIGHT_AVERAGE_FILE = "grpokit_weight_average.safetensors"
+_UPDATES_KEY = "updates"
+
+
+def ema_decay_at(decay: float, updates: int) -> float:
+    """``d_t = min(decay, (1 + t) / (10 + t))`` for the ``t``-th update (``t ≥ 1``)."""
+    return min(decay, (1.0 + updates) / (10.0 + updates))
+
+
+class WeightAverage:
+    """The moving average of ``model``'s trainable parameters (those with ``requires_grad`` when it is made)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = float(decay)
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise ValueError("ema_decay is set but the model has no trainable parameters to average")
+        self.average = {name: p.detach().float().clone() for name, p in self.params.items()}
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One step of the average toward the current weights."""
+        self.updates += 1
+        weight = 1.0 - ema_decay_at(self.decay, self.updates)
+        for name, p in self.params.items():
+            self.average[name].lerp_(p.detach().float(), weight)
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Give the model the averaged weights (each parameter in its own dtype)."""
+        for name, p in self.params.items():
+            p.copy_(self.average[name])
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """The averaged weights in the model for the block; the trained ones back after it, bit for bit."""
+        with torch.no_grad():
+            saved = {name: p.detach().clone() for name, p in self.params.items()}
+        self.copy_to_model()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    p.copy_(saved[name])
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """The average and its update count into ``directory`` (atomically)."""
+        from safetensors.torch import save
+
+        from .files import atomic_write_bytes
+
+        state = {name: a.contiguous().cpu() for name, a in self.average.items()}
+        atomic_write_bytes(os.path.join(directory, WEIGHT_AVERAGE_FILE),
+                           save(state, metadata={_UPDATES_KEY: str(self.updates), "decay": repr(self.decay)}))
+
+    def load(self, checkpoint: str | os.PathLike) -> bool:
+        """The average saved in ``checkpoint``, when it holds one; returns whether it did. A file that holds other
+        parameters (another model or adapter) is refused with its path."""
+        path = os.path.join(checkpoint, WEIGHT_AVERAGE_FILE)
+        if not os.path.isfile(path):
+            return False
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            names = set(f.keys())
+            if names != set(self.average):
+                raise ValueError(f"{path} does not hold this model's trained parameters (another model or adapter?)")
+            updates = int((f.metadata() or {}).get(_UPDATES_KEY, 0))
+            loaded = {name: f.get_tensor(name) for name in names}
+        with torch.no_grad():
+            for name, value in loaded.items():
+                self.average[name].copy_(value)
+        self.updates = updates
+        return True
