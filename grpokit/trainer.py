@@ -254,7 +254,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
 
     def after_optimizer_step(self, state) -> None:
         """The reference takes its share of the policy (``sync_ref_model``, every ``ref_model_sync_steps`` steps);
-        asynchronous rollouts get the new weights (every ``weight_sync_steps`` steps)."""
+        ``ema_decay``'s average moves toward the new weights; asynchronous rollouts get them (every
+        ``weight_sync_steps`` steps)."""
         a = self.args
         if a.sync_ref_model and state.global_step % a.ref_model_sync_steps == 0:
             unwrap = self.accelerator.unwrap_model
