@@ -219,16 +219,18 @@ def lora_config(lora: dict[str, Any]):
 
 
 def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = None, overwrite: bool = False,
-            force_resume: bool = False, config_dir: str | Path | None = None) -> dict[str, Any]:
+            force_resume: bool = False, config_dir: str | Path | None = None,
+            callbacks: list | None = None) -> dict[str, Any]:
     """Run a whole job; returns the report dict (also written to ``output_dir/report.json``).
 
     ``resume``: a checkpoint directory, or ``"auto"`` for the latest checkpoint in ``output_dir`` (a fresh start
     when there is none). A fresh run into an ``output_dir`` that holds an earlier run is refused unless
     ``overwrite`` (its files are then removed first); a resume whose settings differ from the checkpoint's is
     refused unless ``force_resume``. A SIGINT/SIGTERM during training saves a checkpoint and raises
-    :class:`TrainingInterrupted`. ``config_dir``: where user modules named in the spec are also looked up."""
+    :class:`TrainingInterrupted`. ``config_dir``: where user modules named in the spec are also looked up.
+    ``callbacks``: ``TrainerCallback`` s added to the trainer after the job's own (a benchmark's probes)."""
     return _JobRun(spec, quiet=quiet, resume=resume, overwrite=overwrite, force_resume=force_resume,
-                   config_dir=config_dir).run()
+                   config_dir=config_dir, callbacks=callbacks).run()
 
 
 class _JobRun:
@@ -236,8 +238,9 @@ class _JobRun:
     after, report. Under accelerate/torchrun every rank runs the job; the main process prints and writes."""
 
     def __init__(self, spec: dict[str, Any], *, quiet: bool, resume: str | None, overwrite: bool = False,
-                 force_resume: bool = False, config_dir: str | Path | None = None):
+                 force_resume: bool = False, config_dir: str | Path | None = None, callbacks: list | None = None):
         self.wall_start = time.perf_counter()
+        self.callbacks = list(callbacks or [])
         (self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev,
          self.multiturn) = prepare(spec, config_dir)
         self.quiet, self.resume = quiet, resume
@@ -428,6 +431,8 @@ class _JobRun:
 
             trainer.add_callback(HeldOutCurve(int(self.ev["every_steps"]), evaluate_during,
                                               lambda step, summary: self._held_out(trainer, metrics, summary)))
+        for callback in self.callbacks:
+            trainer.add_callback(callback)
         start = time.perf_counter()
         try:
             trainer.train(resume_from_checkpoint=resume_path, force_resume=self.force_resume)

@@ -15,18 +15,18 @@ import os
 
 import torch
 
+from .algorithms.averaging import mix_
+
 REFERENCE_FILE = "grpokit_reference.safetensors"
 
 
-@torch.no_grad()
 def mix_into_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
     """``reference ← alpha · policy + (1 − alpha) · reference`` for every parameter, in place (same architecture,
-    same parameter order; each tensor in its own dtype)."""
-    pairs = list(zip(reference.parameters(), policy.parameters(), strict=True))
-    for ref, pol in pairs:
-        if ref.shape != pol.shape:
-            raise ValueError(f"the reference and the policy differ in shape ({tuple(ref.shape)} vs {tuple(pol.shape)})")
-        ref.mul_(1.0 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)
+    same parameter order; each tensor in its own dtype): :func:`grpokit.algorithms.averaging.mix_`."""
+    try:
+        mix_(list(reference.parameters()), list(policy.parameters()), alpha)
+    except ValueError as e:
+        raise ValueError(f"the reference and the policy do not match: {e}") from None
 
 
 def check_sync_ref_model(args, peft: bool, sharding: str | None) -> None:

@@ -1,12 +1,9 @@
 """An exponential moving average of the trained weights (``GRPOConfig.ema_decay``).
 
 After every optimizer step ``t`` (1, 2, ...) the average ``W̄`` of each trained parameter ``W`` (the adapter's with
-LoRA) moves toward it::
-
-    d_t = min(decay, (1 + t) / (10 + t))        W̄ ← d_t · W̄ + (1 − d_t) · W
-
-(the ramp is TensorFlow's ``ExponentialMovingAverage(num_updates=t)``: early averages are not dominated by the
-initial weights). ``W̄`` is kept in float32 whatever the parameter's dtype. Training itself follows ``W``; the
+LoRA) moves toward it, ``W̄ ← d_t · W̄ + (1 − d_t) · W`` with ``d_t = min(decay, (1 + t) / (10 + t))`` (the formula and
+its pure functions: :mod:`grpokit.algorithms.averaging`). This module keeps the state: ``W̄`` in float32 whatever the
+parameter's dtype, its swap into the model, its checkpoint file. Training itself follows ``W``; the
 average is what the run delivers: the trainer copies it into the model when training ends (not when it is
 interrupted: a checkpoint holds both, and a resumed run goes on from ``W``), and a job's held-out evaluations
 during training measure it. It smooths the step-to-step swings of a policy trained at a high learning rate
@@ -21,13 +18,10 @@ from contextlib import contextmanager
 
 import torch
 
+from .algorithms.averaging import ema_decay_at, mix_
+
 WEIGHT_AVERAGE_FILE = "grpokit_weight_average.safetensors"
 _UPDATES_KEY = "updates"
-
-
-def ema_decay_at(decay: float, updates: int) -> float:
-    """``d_t = min(decay, (1 + t) / (10 + t))`` for the ``t``-th update (``t ≥ 1``)."""
-    return min(decay, (1.0 + updates) / (10.0 + updates))
 
 
 class WeightAverage:
@@ -41,13 +35,10 @@ class WeightAverage:
         self.average = {name: p.detach().float().clone() for name, p in self.params.items()}
         self.updates = 0
 
-    @torch.no_grad()
     def update(self) -> None:
         """One step of the average toward the current weights."""
         self.updates += 1
-        weight = 1.0 - ema_decay_at(self.decay, self.updates)
-        for name, p in self.params.items():
-            self.average[name].lerp_(p.detach().float(), weight)
+        mix_(self.average.values(), self.params.values(), 1.0 - ema_decay_at(self.decay, self.updates))
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

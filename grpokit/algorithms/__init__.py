@@ -5,6 +5,7 @@
   normalisers; :mod:`.policy`: :func:`policy_loss`, the entry point;
 - :mod:`.importance`, :mod:`.masks`, :mod:`.kl`, :mod:`.entropy`, :mod:`.masked`: the pieces ``policy_loss`` uses;
 - :mod:`.advantages`: group-relative advantages, RLOO, dynamic sampling, overlong shaping.
+- :mod:`.averaging`: moving averages of weights (the reference's soft update, ``ema_decay``).
 """
 
 from .advantages import (

@@ -233,3 +233,20 @@ def test_a_job_with_ema_decay_evaluates_and_delivers_the_average(tmp_path, tiny_
     for name, value in final.items():
         assert torch.equal(value, average[name].to(value.dtype)), name
     assert any(not torch.equal(final[k], trained[k]) for k in final)
+
+
+def test_run_job_adds_the_callbacks_it_is_given(tmp_path, tiny_dir):
+    """What benchmarks/ema_probe.py hooks into: the job's trainer, every step, the model and tokenizer at hand."""
+    from transformers import TrainerCallback
+
+    from grpokit.job import run_job
+
+    seen = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
+            seen.append((state.global_step, model is not None, processing_class is not None))
+
+    spec = base_spec(tiny_dir, tmp_path / "run") | {"eval": {"n": 4, "max_new_tokens": 8, "before": False}}
+    run_job(spec, quiet=True, callbacks=[Record()])
+    assert seen == [(1, True, True), (2, True, True)]

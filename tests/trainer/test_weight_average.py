@@ -10,9 +10,10 @@ from datasets import Dataset
 from tiny import tiny_model, tiny_tokenizer
 from transformers import TrainerCallback
 
+from grpokit.algorithms.averaging import ema_decay_at, mix_
 from grpokit.config import GRPOConfig
 from grpokit.trainer import GRPOTrainer
-from grpokit.weight_average import WEIGHT_AVERAGE_FILE, WeightAverage, ema_decay_at
+from grpokit.weight_average import WEIGHT_AVERAGE_FILE, WeightAverage
 
 
 def varied_reward(completions, **kw):
@@ -43,6 +44,16 @@ def test_decay_ramp_and_cap():
     assert ema_decay_at(0.9, 1) == pytest.approx(2 / 11)
     assert ema_decay_at(0.9, 10) == pytest.approx(11 / 20)
     assert ema_decay_at(0.9, 80) == 0.9 == ema_decay_at(0.9, 10_000)  # (1+t)/(10+t) passes 0.9 at t = 80
+
+
+def test_mix_pairs_in_order_keeps_dtypes_and_refuses_mismatches():
+    target, source = torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.tensor([3.0, 6.0])
+    mix_([target], [source], 0.25)
+    assert target.dtype == torch.bfloat16 and target.tolist() == [1.5, 3.0]
+    with pytest.raises(ValueError, match=r"cannot mix tensors of different shapes \(\(2,\) vs \(3,\)\)"):
+        mix_([target], [torch.zeros(3)], 0.5)
+    with pytest.raises(ValueError):  # one more source than targets
+        mix_([target], [source, source], 0.5)
 
 
 def test_update_against_hand_computation_and_frozen_left_out():
