@@ -117,6 +117,52 @@ def test_refill_position_is_checkpointed_and_restored(tmp_path):
     assert resumed._refill_position >= saved["refill_position"]
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_refill_stream_follows_shuffle_dataset(tmp_path, shuffle):
+    """Unshuffled (a curriculum), the refill stream walks the dataset in order from the prompts after the sampler's
+    first generation batch; shuffled, a seeded permutation of the whole dataset per pass."""
+    tok = tiny_tokenizer()
+    trainer = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path, shuffle_dataset=shuffle),
+                          train_dataset=_dataset(), processing_class=tok)
+    rows = trainer._refill_rows(3) + trainer._refill_rows(23)
+    names = [r["prompt"][0]["content"] for r in rows[::4]]
+    assert all(rows[i] == rows[i - i % 4] for i in range(len(rows)))  # each prompt num_generations times
+    if shuffle:
+        assert sorted(names[:24]) == sorted(f"q{i}" for i in range(24)) and names[:24] != [f"q{i}" for i in range(24)]
+    else:
+        assert names == [f"q{(i + 2) % 24}" for i in range(26)]  # 2 prompts in a generation batch of 8 rows
+
+
+def test_lora_is_merged_once_per_generation_batch_and_given_back(tmp_path, monkeypatch):
+    """Dynamic sampling's rounds generate with one merge of the adapter (not one per round), and the bf16 base
+    weights come back exactly: training moves only the adapter."""
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    merges = []
+    merge = LoraLinear.merge
+
+    def counted(self, *a, **k):
+        merges.append(self)
+        return merge(self, *a, **k)
+
+    monkeypatch.setattr(LoraLinear, "merge", counted)
+    tok = tiny_tokenizer()
+    model = tiny_model(tok).to(torch.bfloat16)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = GRPOTrainer(model, spread_only_for_easy, args=make_args(tmp_path, max_steps=2), train_dataset=_dataset(),
+                          processing_class=tok, peft_config=LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    layers = sum(isinstance(m, LoraLinear) for m in trainer.model.modules())
+    trainer.train()
+    rounds = [h["dynamic_sampling/rounds"] for h in trainer.state.log_history if "dynamic_sampling/rounds" in h]
+    assert len(rounds) == 2 and sum(rounds) > 2  # some batch took more than one round...
+    assert len(merges) == 2 * layers  # ...and each batch merged every LoRA layer once
+    now = trainer.model.get_base_model().state_dict()
+    for k, v in base.items():
+        key = k if k in now else k.replace(".weight", ".base_layer.weight")
+        assert torch.equal(now[key], v), k
+
+
 def test_dynamic_sampling_config():
     with pytest.raises(ValueError, match=r"dynamic_sampling_max_rounds=0 is not allowed"):
         GRPOConfig(output_dir="/tmp/ds", dynamic_sampling=True, dynamic_sampling_max_rounds=0)
