@@ -16,8 +16,11 @@ DESCRIPTION = (
     "negative): 651 distinct questions, shuffled by the seed, the first n_eval held out. The user turn "
     "is \"What is {a} {op} {b}? " + ANSWER_INSTRUCTION + "\". Rewards: correctness 1.0 when the number "
     "after the last 'Answer:' is right, format 0.2 when the reply ends with 'Answer: <number>'. "
-    "SmolLM2-135M-Instruct gets about 2% right greedily before training (docs/demo.md)."
+    "SmolLM2-135M-Instruct gets about 2% right greedily before training (docs/demo.md). order='easy_first' "
+    "puts the training questions in order of their larger operand (a curriculum; with shuffle_dataset=False)."
 )
+
+ORDERS = ("shuffled", "easy_first")
 
 
 def arithmetic_questions(max_operand: int = MAX_OPERAND) -> list[tuple[int, str, int, int]]:
@@ -32,7 +35,18 @@ def arithmetic_questions(max_operand: int = MAX_OPERAND) -> list[tuple[int, str,
     return questions
 
 
-def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128) -> Task:
+def difficulty(question: tuple[int, str, int, int]) -> int:
+    """How hard a question is for the curriculum: its larger operand (0..20). What a small model gets wrong is
+    mostly sums and differences of numbers above 10 (docs/demo.md)."""
+    a, _, b, _ = question
+    return max(a, b)
+
+
+def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128, order: str = "shuffled") -> Task:
+    """The task; ``order`` only orders the training questions: ``"shuffled"`` (by the seed) or ``"easy_first"`` (a
+    curriculum: by :func:`difficulty`, the seed's order within a level). The held-out questions are the same."""
+    if order not in ORDERS:
+        raise ValueError(f"Task 'arithmetic': order={order!r} is not allowed; expected one of {', '.join(ORDERS)}.")
     questions = arithmetic_questions()
     random.Random(seed).shuffle(questions)
     rows = [
@@ -40,6 +54,8 @@ def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128) -> Task:
         for a, op, b, result in questions
     ]
     train, held_out = split_holdout(rows, n_eval, "arithmetic")
+    if order == "easy_first":  # sorted is stable: the seed's order within a level
+        train = train.select(sorted(range(len(train)), key=lambda i: difficulty(questions[n_eval + i])))
     return Task(
         name="arithmetic",
         train_dataset=train,
@@ -47,5 +63,5 @@ def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128) -> Task:
         reward_funcs=[correctness, format_reward],
         accuracy_reward="correctness",
         description=DESCRIPTION,
-        metadata={"seed": seed, "n_eval": n_eval, "n_questions": len(rows)},
+        metadata={"seed": seed, "n_eval": n_eval, "n_questions": len(rows), "order": order},
     )

@@ -156,3 +156,17 @@ def test_unknown_task_and_options():
         get_task("missing_file.jsonl")
     with pytest.raises(ValueError, match="n_train"):
         get_task("arithmetic", n_train=5)
+
+
+def test_arithmetic_easy_first_orders_only_the_training_questions():
+    shuffled, curriculum = get_task("arithmetic", seed=2), get_task("arithmetic", seed=2, order="easy_first")
+    assert curriculum.eval_dataset.to_list() == shuffled.eval_dataset.to_list()
+    assert sorted(contents(curriculum.train_dataset)) == sorted(contents(shuffled.train_dataset))
+    operands = [tuple(int(x) for x in re.findall(r"\d+", text)[:2]) for text in contents(curriculum.train_dataset)]
+    levels = [max(pair) for pair in operands]
+    assert levels == sorted(levels) and levels[0] < 3 and levels[-1] == 20
+    first_level = [text for text in contents(shuffled.train_dataset)
+                   if max(int(x) for x in re.findall(r"\d+", text)[:2]) == levels[0]]
+    assert contents(curriculum.train_dataset)[:len(first_level)] == first_level  # the seed's order within a level
+    with pytest.raises(ValueError, match="order='hardest' is not allowed; expected one of shuffled, easy_first"):
+        get_task("arithmetic", order="hardest")
