@@ -43,7 +43,7 @@ from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_nam
 from .rollout.base import Generation, SamplingParams, context_length, stop_token_ids
 from .rollout.dynamic_sampling import fill_with_informative_groups
 from .rollout.sample import ScoredSamples, sample_and_score
-from .rollout.transformers_backend import TransformersRollout, lora_merged
+from .rollout.transformers_backend import TransformersRollout
 from .run_dir import run_signature, save_signature
 from .sharding import full_weights, sharding_kind, weights_for_generation
 from .tools import TurnLimits
@@ -427,16 +427,13 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         return self._finish_batch(samples, mode)
 
     def _adapter_merged_for_batch(self):
-        """LoRA folded into the base weights once for every generation call of one batch (dynamic sampling's rounds,
-        tool turns), where the default backend would merge and restore around each call: 0.35 s each for SmolLM2 in
-        bf16 on a CPU, up to a fifth of a demo step. Only where that backend merges anyway and the weights are not
-        sharded; the log-probs (:meth:`_finish_batch`) are computed after, on the restored weights."""
-        from .rollout.continuous_batching import ContinuousBatchingRollout
-
-        merges = isinstance(self.rollout, (TransformersRollout, ContinuousBatchingRollout))
-        if merges and sharding_kind(self.model_wrapped or self.model) is None:
-            return lora_merged(self.accelerator.unwrap_model(self.model))
-        return contextlib.nullcontext()
+        """The backend's ``generation_batch`` context around every generation call of one batch (the LoRA merge,
+        once, for the default backend), where the weights are not sharded; the log-probs (:meth:`_finish_batch`)
+        are computed after it, on the restored weights."""
+        enter = getattr(self.rollout, "generation_batch", None)
+        if enter is None or sharding_kind(self.model_wrapped or self.model) is not None:
+            return contextlib.nullcontext()
+        return enter(self.accelerator.unwrap_model(self.model))
 
     def _score_rows(self, rows: list[dict], mode: str, generate=None, logs: dict | None = None) -> ScoredSamples:
         """Generate one completion per row (with ``rollout_func``, or the rollout backend and, with tools, the
@@ -514,8 +511,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         for _ in range(n_groups):
             global_pos = self._refill_position * world + rank
             index = global_pos % n
-            if not self.args.shuffle_dataset:  # after the first generation batch's prompts, which the sampler took
-                index = (global_pos + self.args.generation_batch_size // self.args.num_generations * world) % n
+            if not self.args.shuffle_dataset:  # after the first generation batch's prompts (a global count)
+                index = (global_pos + self.args.generation_batch_size // self.args.num_generations) % n
             else:
                 generator = torch.Generator().manual_seed(self.args.seed + 7919 + global_pos // n)
                 index = int(torch.randperm(n, generator=generator)[index])

@@ -63,6 +63,9 @@ class RolloutBackend(Protocol):
         """Called after every optimizer step; a backend holding its own copy of the weights refreshes it."""
         ...
 
+    # Optional: ``generation_batch(model)``, a context manager the trainer enters around every generation call of one
+    # batch (dynamic sampling's rounds, tool turns), for work a backend would otherwise repeat per call.
+
 
 def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask every token after the first EOS (the EOS stays in). Returns ``(mask, is_truncated)``."""

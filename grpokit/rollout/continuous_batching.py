@@ -30,6 +30,10 @@ class ContinuousBatchingRollout:
 
         return ContinuousBatchingConfig(**self.config)
 
+    def generation_batch(self, model: torch.nn.Module):
+        """As :meth:`TransformersRollout.generation_batch`: one merge of the adapter for a batch's calls."""
+        return lora_merged(model)
+
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  params: SamplingParams) -> Generation:

@@ -225,3 +225,9 @@ class TransformersRollout:
 
     def sync_weights(self, model: torch.nn.Module) -> None:  # the sampler is the trainer's model itself
         return None
+
+    def generation_batch(self, model: torch.nn.Module):
+        """The adapter merged once for every call of one generation batch (each call's own merge then sees it merged
+        and leaves it): 0.35 s a call saved for SmolLM2 in bf16 on a CPU. Not for sharded weights (the trainer
+        does not enter it there)."""
+        return lora_merged(model)

@@ -133,6 +133,20 @@ def test_refill_stream_follows_shuffle_dataset(tmp_path, shuffle):
         assert names == [f"q{(i + 2) % 24}" for i in range(26)]  # 2 prompts in a generation batch of 8 rows
 
 
+def test_unshuffled_refill_stream_across_ranks(tmp_path, monkeypatch):
+    """Two processes: the first generation batch took global prompts 0-3 (16 rows / 4 generations); the ranks then
+    take every other prompt from there, rank 1 from q5."""
+    from transformers import TrainingArguments
+
+    tok = tiny_tokenizer()
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    args = make_args(tmp_path, shuffle_dataset=False, generation_batch_size=16)
+    trainer = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=args, train_dataset=_dataset(),
+                          processing_class=tok)
+    monkeypatch.setattr(TrainingArguments, "process_index", property(lambda self: 1))
+    assert [r["prompt"][0]["content"] for r in trainer._refill_rows(3)[::4]] == ["q5", "q7", "q9"]
+
+
 def test_lora_is_merged_once_per_generation_batch_and_given_back(tmp_path, monkeypatch):
     """Dynamic sampling's rounds generate with one merge of the adapter (not one per round), and the bf16 base
     weights come back exactly: training moves only the adapter."""
