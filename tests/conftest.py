@@ -68,12 +68,15 @@ def model(tokenizer):
 
 @pytest.fixture(scope="session")
 def one_rank(tmp_path_factory):
-    """The reference for the multi-process runs of tests/distributed: one process, 4 rows × gradient accumulation 2
-    (the same 8-row generation batches as two ranks × 4 rows), for dapo, grpo and vespo. Here rather than in a
-    tests/distributed/conftest.py, whose module name would shadow this file's for ``from conftest import``."""
+    """The one-process references for the multi-process runs of tests/distributed, made by one process one after
+    another: 4 rows × gradient accumulation 2 (the same 8-row generation batches as two ranks × 4 rows) for dapo,
+    grpo and vespo in this folder; ``split/``: 2 rows × GA 2 with G = 4 (dapo); ``top-entropy/``: 8 rows in one
+    micro-batch with ``top_entropy_quantile`` 0.3 (dapo). Here rather than in a tests/distributed/conftest.py, whose
+    module name would shadow this file's for ``from conftest import``."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
-    from launch import LOSSES, single
+    from launch import LOSSES, single_several
 
     out = tmp_path_factory.mktemp("one-rank")
-    single(out, 4, 2, LOSSES)
+    single_several([(out, ["4", "2", ",".join(LOSSES)]), (out / "split", ["2", "2", "dapo"]),
+                    (out / "top-entropy", ["8", "1", "dapo", "--top-entropy", "0.3"])])
     return out

@@ -7,6 +7,9 @@ the advantages and completions of every generation batch to ``OUT/<loss>-rank<r>
     python ddp_worker.py OUT PER_DEVICE GA LOSS[,LOSS...] [--fail-rank R] [--num-generations G]
                          [--shard fsdp2|zero3] [--real-rollout] [--no-gather] [--fake-vllm-server]
                          [--top-entropy Q] [--lora] [--adamw] [--save-steps] [--resume CHECKPOINT]
+                         [++ OUT PER_DEVICE GA LOSS[,LOSS...] [flags] ...]
+
+``++`` separates runs made one after another by the same processes (one launch, ~10 s of imports, for several).
 
 ``--shard``: train with sharded weights. accelerate enables FSDP only on accelerators, so on CPU the worker
 sets accelerate's state to FSDP itself (after which accelerate's own FSDP2 wrapping runs, on gloo), with the
@@ -141,6 +144,9 @@ def shard_args(shard: str | None) -> dict:
         return dict(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
                                                     "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     if shard == "zero3":
+        from deepspeed_cpu import skip_inference_shm_build
+
+        skip_inference_shm_build()
         return dict(deepspeed={
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # shard even tiny tensors
             "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -218,37 +224,35 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
         }, os.path.join(out_dir, f"{loss_type}-rank{rank}.pt"))
 
 
+def parse(argv: list[str]) -> dict:
+    """One run's arguments: ``OUT PER_DEVICE GA LOSS[,LOSS...]`` and its flags, as :func:`run`'s keywords."""
+    argv = list(argv)
+    options = {"--fail-rank": ("fail_rank", int), "--num-generations": ("num_generations", int),
+               "--top-entropy": ("top_entropy", float), "--shard": ("shard", str), "--resume": ("resume", str)}
+    kw = {}
+    for option, (name, kind) in options.items():
+        if option in argv:
+            i = argv.index(option)
+            kw[name] = kind(argv[i + 1])
+            argv = argv[:i] + argv[i + 2:]
+    switches = {"--real-rollout": "real_rollout", "--fake-vllm-server": "fake_server", "--lora": "lora",
+                "--adamw": "adamw", "--save-steps": "save_steps"}
+    kw.update({name: flag in argv for flag, name in switches.items()})
+    kw["gather"] = "--no-gather" not in argv
+    argv = [a for a in argv if a not in switches and a != "--no-gather"]
+    out, per_device, ga, losses = argv
+    return dict(kw, out_dir=out, per_device=int(per_device), ga=int(ga), loss_types=losses.split(","))
+
+
 if __name__ == "__main__":
-    fail = None
-    argv = sys.argv[1:]
-    if "--fail-rank" in argv:
-        i = argv.index("--fail-rank")
-        fail = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
-    num_generations = 4
-    if "--num-generations" in argv:
-        i = argv.index("--num-generations")
-        num_generations = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
-    top_entropy = 1.0
-    if "--top-entropy" in argv:
-        i = argv.index("--top-entropy")
-        top_entropy = float(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
-    shard = None
-    if "--shard" in argv:
-        i = argv.index("--shard")
-        shard = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
-    resume = None
-    if "--resume" in argv:
-        i = argv.index("--resume")
-        resume = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
-    flags = {f for f in argv if f in ("--real-rollout", "--no-gather", "--fake-vllm-server", "--lora", "--adamw",
-                                      "--save-steps")}
-    argv = [a for a in argv if a not in flags]
-    run(argv[0], int(argv[1]), int(argv[2]), argv[3].split(","), fail, num_generations, shard,
-        "--real-rollout" in flags, "--no-gather" not in flags, "--fake-vllm-server" in flags, top_entropy,
-        "--lora" in flags, "--adamw" in flags, "--save-steps" in flags, resume)
+    # several runs in the same processes, one after another: RUN ++ RUN ++ ... (saves a launch per run)
+    runs, current = [], []
+    for arg in sys.argv[1:] + ["++"]:
+        if arg == "++":
+            runs.append(parse(current))
+            current = []
+        else:
+            current.append(arg)
+    for kw in runs:
+        run(**kw)
     exit_process(0)  # a finished gloo all-gather must not meet the interpreter's teardown

@@ -60,12 +60,32 @@ def torchrun_ok(out: Path, *args: str, **kw) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
 
 
+def several(runs: list[tuple[Path, list[str]]]) -> list[str]:
+    """The worker's arguments for several runs made one after another in the same processes (``++`` between
+    them), each ``(OUT, [PER_DEVICE, GA, LOSSES, flags...])``; every OUT is created."""
+    args: list[str] = []
+    for out, run_args in runs:
+        out.mkdir(parents=True, exist_ok=True)
+        args += (["++"] if args else []) + [str(out), *run_args]
+    return args
+
+
+def torchrun_several(runs: list[tuple[Path, list[str]]], **kw) -> None:
+    args = several(runs)
+    r = torchrun(Path(args[0]), *args[1:], **kw)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 def single(out: Path, per_device: int, ga: int, losses: list[str], num_generations: int = 4, *flags: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    single_several([(out, [str(per_device), str(ga), ",".join(losses), "--num-generations", str(num_generations),
+                           *flags])])
+
+
+def single_several(runs: list[tuple[Path, list[str]]]) -> None:
+    """One plain process (one rank) making each run of :func:`several` in turn."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(WORKER), str(out), str(per_device), str(ga), ",".join(losses),
-           "--num-generations", str(num_generations), *flags]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    r = subprocess.run([sys.executable, str(WORKER), *several(runs)], env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
 
 

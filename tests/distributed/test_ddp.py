@@ -8,25 +8,22 @@ import shutil
 
 import pytest
 import torch
-from launch import LOSSES, load, single, torchrun, torchrun_ok
+from launch import LOSSES, load, torchrun, torchrun_several
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, one_rank):
-    """Two ranks × 4 rows vs one rank × 4 rows × GA 2 (same 8-row generation batches), for three losses; and two
-    ranks × 2 rows with G = 4 (every group split across the ranks) vs one rank × 2 rows × GA 2."""
+    """One launch of two ranks making, one after another: 4 rows each for three losses (against one rank × 4 rows ×
+    GA 2, the same 8-row generation batches); 2 rows each with G = 4, every group split across the ranks (against
+    one rank × 2 rows × GA 2); 4 rows each with ``top_entropy_quantile`` 0.3 (against one rank × 8 rows). The
+    one-rank references come from the ``one_rank`` fixture."""
     root = tmp_path_factory.mktemp("ddp")
-    (root / "two").mkdir()
-    (root / "split2").mkdir()
-    (root / "split1").mkdir()
-    r = torchrun(root / "two", "4", "1", ",".join(LOSSES))
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun_several([(root / "two", ["4", "1", ",".join(LOSSES)]), (root / "split2", ["2", "1", "dapo"]),
+                      (root / "top-entropy", ["4", "1", "dapo", "--top-entropy", "0.3"])])
     (root / "one").symlink_to(one_rank)
-    r = torchrun(root / "split2", "2", "1", "dapo")
-    assert r.returncode == 0, r.stderr[-4000:]
-    single(root / "split1", 2, 2, ["dapo"])
+    (root / "split1").symlink_to(one_rank / "split")
     return root
 
 
@@ -79,14 +76,12 @@ def test_a_failing_rank_ends_the_run_with_its_error(tmp_path):
     assert "deliberate failure on rank 1" in (r.stdout + r.stderr)
 
 
-def test_entropy_mask_threshold_is_the_whole_batch_quantile(tmp_path):
+def test_entropy_mask_threshold_is_the_whole_batch_quantile(runs):
     """top_entropy_quantile under DDP: the threshold is the quantile of every rank's entropies (as TRL gathers
     them), so two ranks × 4 rows train exactly like one rank × 8 rows in one micro-batch; with each rank's own
     quantile they would not."""
-    torchrun_ok(tmp_path / "two", "4", "1", "dapo", "--top-entropy", "0.3")
-    single(tmp_path / "one", 8, 1, ["dapo"], 4, "--top-entropy", "0.3")
-    one = load(tmp_path / "one" / "dapo-rank0.pt")
+    one = load(runs / "one" / "top-entropy" / "dapo-rank0.pt")
     for rank in (0, 1):
-        two = load(tmp_path / "two" / f"dapo-rank{rank}.pt")
+        two = load(runs / "top-entropy" / f"dapo-rank{rank}.pt")
         for name, p in one["params"].items():
             torch.testing.assert_close(two["params"][name], p, atol=1e-5, rtol=1e-4)

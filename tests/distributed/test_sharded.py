@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import LOSSES, TIMEOUT, accelerate_env, load, torchrun_ok
+from launch import LOSSES, TIMEOUT, accelerate_env, load, torchrun_ok, torchrun_several
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -23,14 +23,16 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    """Real generation (seeded, 60 stop ids) under DDP, FSDP2 gathered, FSDP2 in lockstep; FSDP2 configured by
-    the shipped examples/accelerate/fsdp2.yaml."""
+    """Real generation (seeded, 60 stop ids) under DDP, FSDP2 gathered, FSDP2 in lockstep, and DDP and FSDP2 with a
+    LoRA adapter; FSDP2 configured by the shipped examples/accelerate/fsdp2.yaml. Two launches: the DDP runs, then
+    the FSDP2 runs, each set made one after another by the same two processes."""
     root = tmp_path_factory.mktemp("sharded-real")
-    torchrun_ok(root / "ddp", "4", "1", "dapo", "--real-rollout")
+    torchrun_several([(root / "ddp", ["4", "1", "dapo", "--real-rollout"]),
+                      (root / "ddp-lora", ["4", "1", "dapo", "--real-rollout", "--lora"])])
     example = accelerate_env("fsdp2")  # examples/accelerate/fsdp2.yaml, as accelerate launch applies it
-    torchrun_ok(root / "fsdp2", "4", "1", "dapo", "--real-rollout", "--shard", "fsdp2", env=example)
-    torchrun_ok(root / "fsdp2-lockstep", "4", "1", "dapo", "--real-rollout", "--shard", "fsdp2", "--no-gather",
-                env=example)
+    fsdp2 = ["4", "1", "dapo", "--real-rollout", "--shard", "fsdp2"]
+    torchrun_several([(root / "fsdp2", fsdp2), (root / "fsdp2-lockstep", [*fsdp2, "--no-gather"]),
+                      (root / "fsdp2-lora", [*fsdp2, "--lora"])], env=example)
     return root
 
 
@@ -63,13 +65,10 @@ def test_fsdp2_generates_and_trains_like_ddp(real, run):
     assert_same_run(ref, fsdp, atol=1e-6)
 
 
-def test_fsdp2_with_lora_generates_and_trains_like_ddp(tmp_path):
+def test_fsdp2_with_lora_generates_and_trains_like_ddp(real):
     """LoRA under FSDP2: the adapter is merged into the gathered weights for generation (and unmerged before they
     are resharded); completions and parameters match DDP with the same adapter."""
-    torchrun_ok(tmp_path / "ddp", "4", "1", "dapo", "--real-rollout", "--lora")
-    torchrun_ok(tmp_path / "fsdp2", "4", "1", "dapo", "--real-rollout", "--lora", "--shard", "fsdp2",
-                env=accelerate_env("fsdp2"))
-    ref, fsdp = both_ranks(tmp_path / "ddp"), both_ranks(tmp_path / "fsdp2")
+    ref, fsdp = both_ranks(real / "ddp-lora"), both_ranks(real / "fsdp2-lora")
     assert fsdp[0]["sharding"] == "fsdp2" and any("lora_A" in n for n in fsdp[0]["params"])
     assert_same_run(ref, fsdp, atol=1e-6)
 
@@ -95,19 +94,26 @@ def test_fsdp2_two_ranks_equal_one_rank_with_accumulation(fsdp2_fake, one_rank, 
     assert_equals_one_rank(one_rank, fsdp2_fake, loss_type, "fsdp2")
 
 
-@needs_deepspeed
-def test_zero3_generates_and_trains_like_ddp(real, tmp_path):
-    torchrun_ok(tmp_path, "4", "1", "dapo", "--real-rollout", "--shard", "zero3")
-    zero3 = both_ranks(tmp_path)
-    assert zero3[0]["sharding"] == "zero3"
-    assert_same_run(both_ranks(real / "ddp"), zero3, atol=1e-6)
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    """ZeRO-3 with real generation (dapo) and with the fake rollouts (three losses), one launch."""
+    root = tmp_path_factory.mktemp("zero3")
+    torchrun_several([(root / "real", ["4", "1", "dapo", "--real-rollout", "--shard", "zero3"]),
+                      (root / "fake", ["4", "1", ",".join(LOSSES), "--shard", "zero3"])])
+    return root
 
 
 @needs_deepspeed
-def test_zero3_two_ranks_equal_one_rank_with_accumulation(one_rank, tmp_path):
-    torchrun_ok(tmp_path, "4", "1", ",".join(LOSSES), "--shard", "zero3")
+def test_zero3_generates_and_trains_like_ddp(real, zero3):
+    run = both_ranks(zero3 / "real")
+    assert run[0]["sharding"] == "zero3"
+    assert_same_run(both_ranks(real / "ddp"), run, atol=1e-6)
+
+
+@needs_deepspeed
+def test_zero3_two_ranks_equal_one_rank_with_accumulation(one_rank, zero3):
     for loss_type in LOSSES:
-        assert_equals_one_rank(one_rank, tmp_path, loss_type, "zero3")
+        assert_equals_one_rank(one_rank, zero3 / "fake", loss_type, "zero3")
 
 
 @pytest.mark.parametrize("config", ["torchrun", pytest.param("zero2", marks=needs_deepspeed),
@@ -153,7 +159,11 @@ eval: {{n: 4, max_new_tokens: 8}}
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                     str(root / "examples" / "accelerate" / f"{config}.yaml"), "--num_processes", "2",
                     "--mixed_precision", "no"]
-    cmd = [*launcher, "-m", "grpokit.cli", "train", str(job), "--quiet"]
+    if config == "torchrun":
+        cmd = [*launcher, "-m", "grpokit.cli", "train", str(job), "--quiet"]
+    else:  # the same module, DeepSpeed's inference-only C++ build skipped (deepspeed_cpu.py)
+        cmd = [*launcher, str(Path(__file__).with_name("deepspeed_cpu.py")), "-m", "grpokit.cli", "train", str(job),
+               "--quiet"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
