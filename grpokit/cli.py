@@ -27,7 +27,7 @@ DEMO_SPEC: dict[str, Any] = {
     "learning_rate": 5e-4,
     "lr_scheduler_type": "constant",
     "per_device_train_batch_size": 32,
-    "num_generations": 8,
+    "num_generations": 4,
     "max_completion_length": 32,
     "temperature": 0.9,
     "top_k": 50,
@@ -43,11 +43,11 @@ DEMO_SPEC: dict[str, Any] = {
     "seed": 0,
     "use_cpu": True,
 }
-"""The demo: LoRA on the embedded SmolLM2-135M, the arithmetic task, 4 questions × 8 completions a step with DAPO's
+"""The demo: LoRA on the embedded SmolLM2-135M, the arithmetic task, 8 questions × 4 completions a step with DAPO's
 dynamic sampling, advantages scaled by the batch's reward spread (``scale_rewards`` "batch": a group that differs only
 in the 0.2 format reward gets a fifth of a correctness group's advantage, not the same), learning rate 5e-4, sampling
 at temperature 0.9 among the 50 likeliest tokens, the trained weights averaged (``ema_decay`` 0.9: what is evaluated
-and saved), held-out accuracy every 10 steps; 3-16 s a step on a 2-core CPU with bf16 units. docs/demo.md has the
+and saved), held-out accuracy every 10 steps; 10-20 s a step on a 2-core CPU with bf16 units. docs/demo.md has the
 recipe search behind it and the measured runs."""
 
 
