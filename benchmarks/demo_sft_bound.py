@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ def main() -> None:
     a = p.parse_args()
 
     import torch
+    from demo_probe import questions  # the operands back from a prompt
     from peft import get_peft_model
 
     from grpokit.cli import DEMO_SPEC
@@ -67,8 +67,7 @@ def main() -> None:
     style = STYLES[a.style]
 
     def target(row) -> str:
-        m = re.search(r"What is (\d+) ([+-]) (\d+)\?", row["prompt"][-1]["content"])
-        return style(m.group(1), m.group(2), m.group(3), row["answer"])
+        return style(*questions([row])[0], row["answer"])
 
     def held_out() -> str:
         model.eval()

@@ -72,8 +72,7 @@ def several(runs: list[tuple[Path, list[str]]]) -> list[str]:
 
 def torchrun_several(runs: list[tuple[Path, list[str]]], **kw) -> None:
     args = several(runs)
-    r = torchrun(Path(args[0]), *args[1:], **kw)
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun_ok(Path(args[0]), *args[1:], **kw)
 
 
 def single(out: Path, per_device: int, ga: int, losses: list[str], num_generations: int = 4, *flags: str) -> None:
