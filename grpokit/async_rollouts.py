@@ -103,7 +103,8 @@ class AsyncRollouts:
         if a.dynamic_sampling:
             samples, stats = fill_with_informative_groups(
                 samples, lambda n: t._score_rows(t._refill_rows(n), "train", generate=generate, logs=logs),
-                a.num_generations, t.reward_weights, a.dynamic_sampling_max_rounds, t.processing_class.pad_token_id)
+                a.num_generations, t.reward_weights, a.dynamic_sampling_max_rounds, t.processing_class.pad_token_id,
+                max_round_factor=a.dynamic_sampling_oversample)
             logs["metrics"] += [("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups),
                                 ("dynamic_sampling/rounds", float(stats.rounds)),
                                 ("dynamic_sampling/unfilled_frac", stats.unfilled_groups / (len(samples) // a.num_generations))]

@@ -252,6 +252,12 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=4, metadata=_meta("Dynamic sampling: extra generation rounds at most per generation batch; what is still "
                                   "missing then is filled with groups without reward spread.")
     )
+    dynamic_sampling_oversample: float = field(
+        default=1.0, metadata=_meta("Dynamic sampling: an extra round draws as many prompts as the missing groups need "
+                                    "at the keep rate seen so far, at most this many times the generation batch's "
+                                    "prompts (>= 1; larger rounds are fewer and generate faster per completion, "
+                                    "and take more memory).")
+    )
     ema_decay: float | None = field(
         default=None, metadata=_meta("Keep an exponential moving average of the trained weights (the adapter's with "
                                      "LoRA) with this decay, in (0, 1), ramped up as min(decay, (1+t)/(10+t)); the "
@@ -349,6 +355,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("steps_per_generation", 1, integer=True, optional=True)
         check.number("overlong_penalty_factor", 0)
         check.number("dynamic_sampling_max_rounds", 1, integer=True)
+        check.number("dynamic_sampling_oversample", 1)
         check.number("ema_decay", 0, 1, lo_open=True, hi_open=True, optional=True)
         check.number("max_staleness", 0, integer=True)
         check.number("max_tool_calling_iterations", 0, integer=True, optional=True)

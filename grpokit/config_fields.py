@@ -69,6 +69,7 @@ FIELDS = frozenset({
     "ds3_gather_for_generation",
     "dynamic_sampling",
     "dynamic_sampling_max_rounds",
+    "dynamic_sampling_oversample",
     "ema_decay",
     "enable_jit_checkpoint",
     "entropy_coef",

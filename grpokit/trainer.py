@@ -493,7 +493,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             torch.tensor([float(short)], device=self.accelerator.device), reduction="max").item())) if lockstep else None
         filled, stats = fill_with_informative_groups(
             samples, lambda n: self._score_rows(self._refill_rows(n), mode), a.num_generations, self.reward_weights,
-            a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_short)
+            a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_short,
+            max_round_factor=a.dynamic_sampling_oversample)
         self.record_metric("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups, mode)
         self.record_metric("dynamic_sampling/rounds", float(stats.rounds), mode)
         self.record_metric("dynamic_sampling/unfilled_frac", stats.unfilled_groups * a.num_generations / len(samples),

@@ -39,17 +39,21 @@ def fill_with_informative_groups(
     max_extra_rounds: int,
     pad_id: int,
     any_rank_short: Callable[[bool], bool] | None = None,
+    max_round_factor: float = 1.0,
 ) -> tuple[ScoredSamples, FillStats]:
     """Keep ``first``'s groups with reward spread and add groups from ``sample_more(n_groups)`` (each call generates
     and scores ``n_groups`` fresh prompts × ``num_generations``) until there are as many groups as ``first`` had or
     ``max_extra_rounds`` rounds were drawn; each round asks for the groups still missing, scaled up by the share
-    of groups dropped so far. When the rounds run out, dropped groups fill the rest (they carry no gradient), so the
-    batch keeps its shape. ``any_rank_short(short)`` (when given) makes every rank run the same rounds."""
+    of groups dropped so far, and at most ``max_round_factor`` times as many groups as ``first`` had (one large
+    round generates faster than several small ones; kept groups beyond the batch are discarded). When the rounds
+    run out, dropped groups fill the rest (they carry no gradient), so the batch keeps its shape.
+    ``any_rank_short(short)`` (when given) makes every rank run the same rounds."""
     g = num_generations
     if len(first) % g:
         raise ValueError(f"dynamic sampling needs whole groups on every process: {len(first)} rows is not a multiple "
                          f"of num_generations={g} (make per_device_train_batch_size × steps_per_generation a multiple)")
     need = len(first) // g
+    round_cap = max(1, math.floor(need * max_round_factor))
     kept: list[ScoredSamples] = []
     dropped: list[ScoredSamples] = []
     n_kept = generated = 0
@@ -70,7 +74,7 @@ def fill_with_informative_groups(
             break
         missing = max(0, need - n_kept)
         keep_rate = max(0.1, n_kept / generated)
-        batch = sample_more(max(1, min(need, math.ceil(missing / keep_rate))))
+        batch = sample_more(max(1, min(round_cap, math.ceil(missing / keep_rate))))
     chosen = kept[:need]
     unfilled = need - len(chosen)
     chosen += dropped[:unfilled]

@@ -48,6 +48,26 @@ def test_fills_the_batch_with_groups_that_have_spread():
     assert stats.generated_groups == 11 and stats.dropped_groups == 5
 
 
+def test_a_larger_round_cap_asks_for_what_the_keep_rate_says_in_one_round():
+    first = fake_samples([[1, 1], [0, 1], [0, 0], [1, 1]], "a")  # one of four groups has spread
+    asked = []
+
+    def more(n):
+        asked.append(n)
+        return fake_samples(([[0, 1], [1, 1], [1, 1], [1, 1]] * 3)[:n], "b")
+
+    out, stats = fill_with_informative_groups(first, more, G, torch.ones(1), max_extra_rounds=3, pad_id=0,
+                                              max_round_factor=4)
+    assert asked == [12]  # 3 missing at a keep rate of 1/4 → 12, within 4 × the batch's 4 groups
+    assert out.prompts == ["a1", "a1", "b0", "b0", "b4", "b4", "b8", "b8"]
+    assert stats.rounds == 2 and stats.unfilled_groups == 0 and stats.generated_groups == 16
+    del asked[:]
+    out, stats = fill_with_informative_groups(first, more, G, torch.ones(1), max_extra_rounds=3, pad_id=0,
+                                              max_round_factor=1.5)
+    assert asked == [6, 4]  # 12 capped at ⌊1.5 × 4⌋ = 6 (two kept); then 1 missing at a keep rate of 3/10 → 4
+    assert out.prompts == ["a1", "a1", "b0", "b0", "b4", "b4", "b0", "b0"] and stats.rounds == 3
+
+
 def test_rounds_run_out_and_dropped_groups_fill_the_rest():
     first = fake_samples([[1, 1], [0, 0], [0, 1]], "a")
     out, stats = fill_with_informative_groups(first, lambda n: fake_samples([[5, 5]] * n, "b"), G, torch.ones(1),
