@@ -1,0 +1,36 @@
+"""Held-out evaluation: how many prompts generate together changes nothing but speed, and a LoRA adapter is merged
+into the weights once for the whole evaluation."""
+
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from grpokit.evaluation import evaluate
+from grpokit.rewards import correctness, format_reward
+from grpokit.tasks import get_task
+
+
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    tok = tiny_tokenizer()
+    return get_peft_model(tiny_model(tok), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      init_lora_weights=False)), tok
+
+
+def test_batch_size_changes_nothing_but_speed_and_the_adapter_is_merged_once(monkeypatch):
+    model, tok = _lora_model()
+    held_out = get_task("arithmetic").eval_dataset
+    merges = []
+    merge = model.merge_adapter
+    monkeypatch.setattr(model, "merge_adapter", lambda *a, **k: (merges.append(1), merge(*a, **k))[1])
+    results = {}
+    for batch_size in (3, 7, 10):
+        merges.clear()
+        summary, samples = evaluate(model, tok, held_out, [correctness, format_reward], accuracy_reward="correctness",
+                                    n=10, max_new_tokens=6, batch_size=batch_size, num_samples=10)
+        results[batch_size] = [s["completion"] for s in samples]
+        assert summary["n"] == 10 and len(merges) == 1  # one merge for 4, 2 and 1 batches
+    assert results[3] == results[7] == results[10]
+    base = [p for n, p in model.named_parameters() if "base_layer" in n]
+    assert base and not any(m.merged_adapters for m in model.modules() if hasattr(m, "merged_adapters"))
+    assert all(torch.isfinite(p).all() for p in base)
