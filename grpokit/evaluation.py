@@ -97,15 +97,20 @@ def evaluate(
         summary["tool_calls_per_row"] = calls / len(rows)
         summary["tool_failure_rate"] = failures / calls if calls else 0.0
     summary["seconds"] = time.perf_counter() - start
+    return summary, _samples(rows, texts_all, rewards, names, accuracy_reward, num_samples)
+
+
+def _samples(rows: list, texts: list[str], rewards: torch.Tensor, names: list[str], accuracy_reward: str | None,
+             num_samples: int) -> list[dict[str, Any]]:
+    """The first ``num_samples`` rows as the report shows them."""
     values = torch.nansum(rewards, dim=1).tolist()
     correct = _correct_rows(rewards, names, accuracy_reward).tolist() if accuracy_reward is not None \
         else [None] * len(rows)
-    samples = [
-        {"prompt": _last_user_turn(rows[i]["prompt"]), "completion": texts_all[i], "reward": values[i],
+    return [
+        {"prompt": _last_user_turn(rows[i]["prompt"]), "completion": texts[i], "reward": values[i],
          "answer": str(rows[i].get("answer", "")), "correct": correct[i]}
         for i in range(min(num_samples, len(rows)))
     ]
-    return summary, samples
 
 
 def _correct_rows(rewards: torch.Tensor, names: list[str], accuracy_reward: str) -> torch.Tensor:
