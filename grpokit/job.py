@@ -21,6 +21,13 @@ __all__ = ["JOB_KEYS", "JobError", "TrainingInterrupted", "algorithms", "prepare
 
 logger = logging.getLogger("grpokit")
 
+AFTER_TRAINING_S = 15.0
+"""``finish_within_s``: seconds kept, beside the evaluation after training, for saving the model and the report."""
+AFTER_EVAL_GUESS_S = 30.0
+"""``finish_within_s``: the evaluation after training, when no evaluation before it measured how long one takes."""
+MIN_TRAINING_S = 30.0
+"""``finish_within_s``: training gets at least this long, however little time is left."""
+
 def algorithms() -> dict[str, dict[str, Any]]:
     """Named recipes: the GRPOConfig fields that make each algorithm (``grpokit demo --algo NAME``), from the loss
     registry (each loss describes its own)."""
@@ -146,7 +153,8 @@ def _prepare(spec: dict[str, Any]):
         raise JobError(f"eval_strategy={str(getattr(config.eval_strategy, 'value', config.eval_strategy))!r} is not "
                        "allowed in a job: use 'no' (the job's 'eval' section evaluates before and after training)")
     lora = job.get("lora")
-    ev = {"n": 128, "before": True, "after": True, "max_new_tokens": config.max_completion_length, "greedy": True}
+    ev = {"n": 128, "before": True, "after": True, "max_new_tokens": config.max_completion_length, "greedy": True,
+          "batch_size": 32}
     ev.update(job.get("eval") or {})
     _check_before_loading(job, config, task)
     return job, config, task, reward_funcs, lora, ev, multiturn
@@ -240,6 +248,7 @@ class _JobRun:
     def __init__(self, spec: dict[str, Any], *, quiet: bool, resume: str | None, overwrite: bool = False,
                  force_resume: bool = False, config_dir: str | Path | None = None, callbacks: list | None = None):
         self.wall_start = time.perf_counter()
+        self.wall_start_epoch = time.time()
         self.callbacks = list(callbacks or [])
         (self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev,
          self.multiturn) = prepare(spec, config_dir)
@@ -285,7 +294,7 @@ class _JobRun:
         model, tokenizer = self._load()
         eval_funcs = self._eval_funcs()
         before = self._evaluate_before(model, tokenizer, eval_funcs, resume_path)
-        trainer, train_time = self._train(model, tokenizer, resume_path)
+        trainer, train_time = self._train(model, tokenizer, resume_path, self._training_budget(before[0]))
         after = (None, None)
         if self.ev["after"] and self.task.eval_dataset is not None:
             self.tell("evaluating the trained model")
@@ -363,8 +372,9 @@ class _JobRun:
         ev, c = self.ev, self.config
         return evaluate(model, tokenizer, self.task.eval_dataset, eval_funcs, accuracy_reward=self.task.accuracy_reward,
                         max_new_tokens=int(ev["max_new_tokens"]), greedy=bool(ev["greedy"]), temperature=c.temperature,
-                        n=int(ev["n"]), max_prompt_length=c.max_prompt_length, gather=c.ds3_gather_for_generation,
-                        multiturn=self.multiturn, max_completion_length=c.max_completion_length)
+                        n=int(ev["n"]), batch_size=int(ev["batch_size"]), max_prompt_length=c.max_prompt_length,
+                        gather=c.ds3_gather_for_generation, multiturn=self.multiturn,
+                        max_completion_length=c.max_completion_length)
 
     def _evaluate_before(self, model, tokenizer, eval_funcs, resume_path):
         """The held-out evaluation before training; a resumed run reads the one its first run measured."""
@@ -393,7 +403,30 @@ class _JobRun:
             atomic_write_text(cached, json.dumps(jsonable(list(result))))
         return result
 
-    def _train(self, model, tokenizer, resume_path):
+    def _training_budget(self, before: dict[str, Any] | None) -> float | None:
+        """``time_budget_s``, cut where ``finish_within_s`` leaves less: the seconds since ``started_at`` (or the
+        job's start) are spent, and the evaluation after training and the report need about what the evaluation
+        before took (``AFTER_TRAINING_S`` more for saving and the report). Said in one line when it cuts
+        ``time_budget_s``."""
+        budget = self.job.get("time_budget_s")
+        limit = self.job.get("finish_within_s")
+        if not limit:
+            return budget
+        started = self.job.get("started_at") or self.wall_start_epoch
+        elapsed = time.time() - started
+        evaluation = float(before.get("seconds", 0.0)) if before else 0.0
+        if self.ev["after"] and self.task.eval_dataset is not None and not evaluation:
+            evaluation = AFTER_EVAL_GUESS_S
+        left = limit - elapsed - evaluation - AFTER_TRAINING_S
+        if budget is not None and left >= budget:
+            return budget
+        left = max(MIN_TRAINING_S, left)
+        if budget is not None:  # what was asked for is cut short: say so
+            self.tell(f"training for at most {left:.0f} s, to end within {limit:g} s of the start ({elapsed:.0f} s "
+                      f"spent before training, about {evaluation + AFTER_TRAINING_S:.0f} s kept for after it)")
+        return left
+
+    def _train(self, model, tokenizer, resume_path, budget: float | None):
         import transformers
 
         from .callbacks import HeldOutCurve, MetricsJsonlCallback, ProgressCallback, TimeBudget
@@ -401,7 +434,6 @@ class _JobRun:
         from .run_dir import ResumeMismatch
         from .trainer import GRPOTrainer
 
-        budget = self.job.get("time_budget_s")
         mt = self.multiturn
         # the job loaded the model with model_init_kwargs (_load): the trainer, given it loaded, would warn that they
         # are ignored

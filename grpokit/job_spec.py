@@ -21,13 +21,18 @@ JOB_KEYS = {
                    "picks one per row)",
     "chat_template": "a Jinja chat template file, or chatml-tools (grpokit's ChatML with tools, for SmolLM2)",
     "lora": "LoRA settings: r, alpha, dropout, target_modules (default all-linear)",
-    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true), every_steps "
+    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true), batch_size "
+            "(32 prompts generated together), every_steps "
             "(also every this many steps during training; default none)",
     "time_budget_s": "stop training after this many seconds of training wall time",
+    "finish_within_s": "end the whole job, evaluations included, within this many seconds of started_at: training "
+                       "stops early enough for what comes after it",
+    "started_at": "when the clock of finish_within_s started, in seconds since the epoch (default: the job's start; "
+                  "make demo passes the time it was run, before installing)",
     "task_args": "extra keyword arguments for the task (e.g. seed, n_eval)",
 }
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
-EVAL_KEYS = ("n", "before", "after", "max_new_tokens", "greedy", "every_steps")
+EVAL_KEYS = ("n", "before", "after", "max_new_tokens", "greedy", "batch_size", "every_steps")
 
 
 class JobError(ValueError):
@@ -120,6 +125,11 @@ def check_job_keys(job: dict[str, Any]) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget) or budget <= 0):
         raise JobError(f"time_budget_s={short_repr(budget)} is not allowed: expected a positive number of seconds")
+    for key in ("finish_within_s", "started_at"):
+        value = job.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise JobError(f"{key}={short_repr(value)} is not allowed: expected a positive number of seconds")
 
 
 def check_eval(ev: dict[str, Any]) -> None:
@@ -129,7 +139,7 @@ def check_eval(ev: dict[str, Any]) -> None:
     for key, value in ev.items():
         if key == "every_steps" and value is None:
             continue
-        if key in ("n", "max_new_tokens", "every_steps") and (isinstance(value, bool) or not isinstance(value, int)
+        if key in ("n", "max_new_tokens", "batch_size", "every_steps") and (isinstance(value, bool) or not isinstance(value, int)
                                                              or value < 1):
             raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected a positive integer"
                            + (" (or null: no evaluation during training)" if key == "every_steps" else ""))

@@ -86,6 +86,8 @@ BAD_SPECS = [
     ({"eval": {"m": 3}}, "unknown eval key"),
     ({"lora": 16}, "lora=16 is not allowed"),
     ({"time_budget_s": -5}, "time_budget_s=-5 is not allowed"),
+    ({"finish_within_s": 0}, "finish_within_s=0 is not allowed: expected a positive number of seconds"),
+    ({"started_at": "now"}, "started_at='now' is not allowed: expected a positive number of seconds"),
 ]
 
 
@@ -162,6 +164,9 @@ def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_
     assert f"(LoRA, {expected} weights)" in capsys.readouterr().out
     assert main(["demo", "--quiet", "--set", "model_init_kwargs={dtype: float16}"]) == 0
     assert specs[-1]["model_init_kwargs"] == {"dtype": "float16"}
+    assert main(["demo", "--quiet", "--finish-within", "590", "--started-at", "1700000000"]) == 0
+    assert specs[-1]["finish_within_s"] == 590 and specs[-1]["started_at"] == 1700000000
+    assert specs[-1]["time_budget_s"] == 500  # the cap stays; the job cuts it where less time is left
 
 
 def test_native_bf16_reads_torch_cpu_probes(monkeypatch):
@@ -250,3 +255,25 @@ def test_run_job_adds_the_callbacks_it_is_given(tmp_path, tiny_dir):
     spec = base_spec(tiny_dir, tmp_path / "run") | {"eval": {"n": 4, "max_new_tokens": 8, "before": False}}
     run_job(spec, quiet=True, callbacks=[Record()])
     assert seen == [(1, True, True), (2, True, True)]
+
+
+def test_finish_within_cuts_training_by_what_was_spent_before_it(tmp_path, tiny_dir, capsys, monkeypatch):
+    """``make demo``'s promise: the clock starts at ``started_at`` (before installing), the evaluation after training
+    is kept time for, and training gets what is left, never more than ``time_budget_s``."""
+    import time
+
+    import grpokit.job
+
+    monkeypatch.setattr(grpokit.job, "MIN_TRAINING_S", 0.001)
+    spent = base_spec(tiny_dir, tmp_path / "late") | {"max_steps": 50, "time_budget_s": 500,
+                                                        "finish_within_s": 600, "started_at": time.time() - 700}
+    assert main(["train", write_yaml(tmp_path / "late.yaml", spent), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "training for at most 0 s, to end within 600 s of the start (7" in text  # 700-odd s spent
+    report = json.loads((tmp_path / "late" / "report.json").read_text())
+    assert report["config"]["steps"] == 1  # the budget ends training after its first step
+
+    roomy = base_spec(tiny_dir, tmp_path / "roomy") | {"finish_within_s": 10_000, "time_budget_s": 500}
+    assert main(["train", write_yaml(tmp_path / "roomy.yaml", roomy), "--quiet"]) == 0
+    assert "to end within" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "roomy" / "report.json").read_text())["config"]["steps"] == 2
