@@ -22,7 +22,8 @@ DEMO_SPEC: dict[str, Any] = {
     "model": "smollm2-135m-instruct",
     "task": "arithmetic",
     "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
-    "eval": {"n": 128, "before": True, "after": True, "max_new_tokens": 48, "greedy": True, "every_steps": 10},
+    "eval": {"n": 128, "before": True, "after": True, "max_new_tokens": 48, "greedy": True, "batch_size": 128,
+             "every_steps": 10},
     "time_budget_s": 500,
     "learning_rate": 5e-4,
     "lr_scheduler_type": "constant",
@@ -32,6 +33,7 @@ DEMO_SPEC: dict[str, Any] = {
     "temperature": 0.9,
     "top_k": 50,
     "dynamic_sampling": True,
+    "dynamic_sampling_oversample": 4,
     "scale_rewards": "batch",
     "ema_decay": 0.9,
     "beta": 0.0,
@@ -44,11 +46,12 @@ DEMO_SPEC: dict[str, Any] = {
     "use_cpu": True,
 }
 """The demo: LoRA on the embedded SmolLM2-135M, the arithmetic task, 8 questions × 4 completions a step with DAPO's
-dynamic sampling, advantages scaled by the batch's reward spread (``scale_rewards`` "batch": a group that differs only
-in the 0.2 format reward gets a fifth of a correctness group's advantage, not the same), learning rate 5e-4, sampling
-at temperature 0.9 among the 50 likeliest tokens, the trained weights averaged (``ema_decay`` 0.9: what is evaluated
-and saved), held-out accuracy every 10 steps; 10-20 s a step on a 2-core CPU with bf16 units. docs/demo.md has the
-recipe search behind it and the measured runs."""
+dynamic sampling (an extra round asks for up to 4× the batch's questions, as many as the share of groups kept so far
+says are needed), advantages scaled by the batch's reward spread (``scale_rewards`` "batch": a group that differs
+only in the 0.2 format reward gets a fifth of a correctness group's advantage, not the same), learning rate 5e-4,
+sampling at temperature 0.9 among the 50 likeliest tokens, the trained weights averaged (``ema_decay`` 0.9: what is
+evaluated and saved), held-out accuracy every 10 steps (the 128 questions generated together); 10-20 s a step on a
+2-core CPU with bf16 units. docs/demo.md has the recipe search behind it and the measured runs."""
 
 
 def demo_spec(algo: str) -> dict[str, Any]:
@@ -173,6 +176,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     spec["output_dir"] = ns.output_dir
     if ns.time_budget is not None:
         spec["time_budget_s"] = ns.time_budget
+    if ns.finish_within is not None:
+        spec["finish_within_s"] = ns.finish_within
+    if ns.started_at is not None:
+        spec["started_at"] = ns.started_at
     if ns.max_steps is not None:
         spec["max_steps"] = ns.max_steps
     if ns.eval_n is not None:
@@ -316,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--algo", default="grpo", help="an algorithm recipe (default grpo; `grpokit tasks` lists them)")
     d.add_argument("--output-dir", help="default: runs/demo, or runs/demo-2, -3, ... when an earlier demo is there")
     d.add_argument("--time-budget", type=float, help="seconds of training (default 500)")
+    d.add_argument("--finish-within", type=float, metavar="SECONDS",
+                   help="end the whole demo, evaluations included, within SECONDS of --started-at (training is cut "
+                        "short when less is left; make demo passes 590)")
+    d.add_argument("--started-at", type=float, metavar="EPOCH",
+                   help="when that clock started, in seconds since the epoch (default: now; make demo passes the time "
+                        "it was run, before installing)")
     d.add_argument("--max-steps", type=_positive_int)
     d.add_argument("--eval-n", type=_positive_int, help="held-out prompts evaluated before and after (default 128)")
     d.add_argument("--seed", type=int)
