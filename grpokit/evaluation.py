@@ -54,7 +54,7 @@ def evaluate(
     ``max_new_tokens``); ``summary`` then has ``tool_calls_per_row`` and ``tool_failure_rate``.
 
     ``batch_size`` prompts are generated together (more is faster where memory allows: on a 2-core CPU 128 rows of
-    SmolLM2 take 2.2× the time of 32), and a LoRA adapter is folded into the weights once for all of them.
+    SmolLM2 take 2.5× the time of 32: benchmarks/RESULTS.md), and a LoRA adapter is folded into the weights once for all of them.
 
     Under multi-process training every rank evaluates every row; with sharded weights (FSDP, ZeRO-3) all ranks
     must call this together and ``gather`` decides how generation sees the weights (grpokit/sharding.py).
