@@ -28,6 +28,7 @@ AFTER_EVAL_GUESS_S = 30.0
 MIN_TRAINING_S = 30.0
 """``finish_within_s``: training gets at least this long, however little time is left."""
 
+
 def algorithms() -> dict[str, dict[str, Any]]:
     """Named recipes: the GRPOConfig fields that make each algorithm (``grpokit demo --algo NAME``), from the loss
     registry (each loss describes its own)."""
@@ -414,9 +415,10 @@ class _JobRun:
             return budget
         started = self.job.get("started_at") or self.wall_start_epoch
         elapsed = time.time() - started
-        evaluation = float(before.get("seconds", 0.0)) if before else 0.0
-        if self.ev["after"] and self.task.eval_dataset is not None and not evaluation:
-            evaluation = AFTER_EVAL_GUESS_S
+        evaluation = 0.0
+        if self.ev["after"] and self.task.eval_dataset is not None:  # about as long as the one before, if measured
+            evaluation = float(before.get("seconds") or 0.0) if before else 0.0
+            evaluation = evaluation or AFTER_EVAL_GUESS_S
         left = limit - elapsed - evaluation - AFTER_TRAINING_S
         if budget is not None and left >= budget:
             return budget
