@@ -37,7 +37,9 @@ class TrainerHooks(TrainerCallback):
 
 class TimeBudget(TrainerCallback):
     """Stop training before ``seconds`` of training wall time are used up: after each optimizer step, stop when
-    another step as long as the slowest of the last few would overrun the budget."""
+    another step as long as the slowest of the last few would overrun the budget. Under data parallelism every
+    process stops when any one would (each reads its own clock; a process that stopped alone would leave the others
+    waiting in their next collective)."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -54,6 +56,18 @@ class TimeBudget(TrainerCallback):
         now = time.perf_counter()
         self.recent = (self.recent + [now - self.last])[-5:]
         self.last = now
-        if now - self.start + max(self.recent) > self.seconds:
+        if _any_process(now - self.start + max(self.recent) > self.seconds, args):
             control.should_training_stop = True
         return control
+
+
+def _any_process(flag: bool, args) -> bool:
+    """``flag`` or-ed over every process of the default process group (just ``flag`` without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=getattr(args, "device", "cpu"))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
