@@ -1,4 +1,6 @@
-"""Ending a multi-process run (torchrun, accelerate launch) without the gloo teardown race.
+"""Processes that must agree (:func:`any_process`: a flag or-ed over every process, for stopping or running one more
+round at the same step everywhere), and ending a multi-process run (torchrun, accelerate launch) without the gloo
+teardown race.
 
 A gloo work thread can hold the last reference to a finished asynchronous collective (DeepSpeed ZeRO-3 issues its
 all-gathers asynchronously) and release it while the interpreter shuts down: its destructor then waits for the
@@ -24,6 +26,20 @@ def distributed_initialized() -> bool:
     import torch
 
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def any_process(flag: bool, device=None) -> bool:
+    """``flag`` or-ed over every process of the default process group (a MAX all-reduce of one number on ``device``,
+    the collective backend's device), so every process takes the same branch; just ``flag`` in a single process."""
+    if not distributed_initialized():
+        return flag
+    import torch
+
+    if torch.distributed.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def exit_process(code: int) -> None:

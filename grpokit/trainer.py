@@ -38,6 +38,7 @@ from .data import GroupRepeatIterable, GroupRepeatSampler, check_dataset, check_
 from .files import atomic_write_bytes, atomic_write_text
 from .logprobs import completion_logps
 from .models import cast_lm_head_to_fp32
+from .process_group import any_process
 from .reference import check_sync_ref_model, load_reference, mix_into_reference, save_reference
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.base import Generation, SamplingParams, context_length, stop_token_ids
@@ -489,8 +490,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         :meth:`_refill_rows`; logs the share of generated groups dropped, the rounds used and what stayed unfilled."""
         a = self.args
         lockstep = self.accelerator.num_processes > 1 and sharding_kind(self.model_wrapped or self.model) is not None
-        any_short = (lambda short: bool(self.accelerator.reduce(
-            torch.tensor([float(short)], device=self.accelerator.device), reduction="max").item())) if lockstep else None
+        any_short = (lambda short: any_process(short, self.accelerator.device)) if lockstep else None
         filled, stats = fill_with_informative_groups(
             samples, lambda n: self._score_rows(self._refill_rows(n), mode), a.num_generations, self.reward_weights,
             a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_short,

@@ -8,8 +8,9 @@ import signal
 import threading
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
+
+from ..process_group import any_process
 
 logger = logging.getLogger("grpokit")
 
@@ -59,12 +60,10 @@ class GracefulInterrupt(TrainerCallback):
                        "(send it again to stop at once)", name)
 
     def on_step_end(self, args, state, control, **kw):
-        stop = self.received is not None
-        if args.world_size > 1:  # every process must stop at the same step, whichever received the signal
-            flag = torch.tensor([1.0 if stop else 0.0], device=self.trainer.accelerator.device)
-            stop = bool(self.trainer.accelerator.reduce(flag, reduction="max").item())
-            if stop and self.received is None:
-                self.received = signal.SIGTERM
+        # every process must stop at the same step, whichever received the signal
+        stop = any_process(self.received is not None, self.trainer.accelerator.device)
+        if stop and self.received is None:
+            self.received = signal.SIGTERM
         if stop:
             control.should_save = True
             control.should_log = True

@@ -6,6 +6,8 @@ import time
 
 from transformers import TrainerCallback
 
+from ..process_group import any_process
+
 
 class TrainerHooks(TrainerCallback):
     """Forwards the training loop's events to the GRPO trainer, which changes its own state in its own methods:
@@ -56,18 +58,7 @@ class TimeBudget(TrainerCallback):
         now = time.perf_counter()
         self.recent = (self.recent + [now - self.last])[-5:]
         self.last = now
-        if _any_process(now - self.start + max(self.recent) > self.seconds, args):
+        if any_process(now - self.start + max(self.recent) > self.seconds, args.device):
             control.should_training_stop = True
         return control
 
-
-def _any_process(flag: bool, args) -> bool:
-    """``flag`` or-ed over every process of the default process group (just ``flag`` without one)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([float(flag)], device=getattr(args, "device", "cpu"))
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
