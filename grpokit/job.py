@@ -417,8 +417,7 @@ class _JobRun:
         elapsed = time.time() - started
         evaluation = 0.0
         if self.ev["after"] and self.task.eval_dataset is not None:  # about as long as the one before, if measured
-            evaluation = float(before.get("seconds") or 0.0) if before else 0.0
-            evaluation = evaluation or AFTER_EVAL_GUESS_S
+            evaluation = float((before or {}).get("seconds") or AFTER_EVAL_GUESS_S)
         left = limit - elapsed - evaluation - AFTER_TRAINING_S
         if budget is not None and left >= budget:
             return budget

@@ -121,11 +121,7 @@ def check_job_keys(job: dict[str, Any]) -> None:
     if job.get("lora") is not None:
         check_lora(job["lora"])
     check_eval(job.get("eval") or {})
-    budget = job.get("time_budget_s")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                               or not math.isfinite(budget) or budget <= 0):
-        raise JobError(f"time_budget_s={short_repr(budget)} is not allowed: expected a positive number of seconds")
-    for key in ("finish_within_s", "started_at"):
+    for key in ("time_budget_s", "finish_within_s", "started_at"):
         value = job.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
@@ -139,8 +135,8 @@ def check_eval(ev: dict[str, Any]) -> None:
     for key, value in ev.items():
         if key == "every_steps" and value is None:
             continue
-        if key in ("n", "max_new_tokens", "batch_size", "every_steps") and (isinstance(value, bool) or not isinstance(value, int)
-                                                             or value < 1):
+        if key in ("n", "max_new_tokens", "batch_size", "every_steps") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected a positive integer"
                            + (" (or null: no evaluation during training)" if key == "every_steps" else ""))
         if key in ("before", "after", "greedy") and not isinstance(value, bool):
