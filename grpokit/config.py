@@ -227,7 +227,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     )
 
     # grpokit additions
-    advantage_estimator: str = field(default="grpo", metadata=_meta("grpo (group-normalised) | rloo."))
+    advantage_estimator: str = field(default="grpo", metadata=_meta(
+        "grpo (group-normalised) | rloo | reinforce_plus_plus (the batch's mean and spread, groups ignored)."))
     overlong_buffer_length: int | None = field(
         default=None, metadata=_meta("DAPO overlong shaping: penalise completions in the last N tokens.")
     )

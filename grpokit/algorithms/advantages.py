@@ -13,7 +13,7 @@ import torch
 
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
 STD_EPS = 1e-4
 ZERO_STD_RTOL = 1e-6
 
@@ -126,6 +126,11 @@ def group_advantages(
             others = (torch.nansum(grouped, 1, keepdim=True) - torch.nan_to_num(grouped, nan=0.0)) / (count - 1).clamp(min=1.0)
             adv = (grouped - others).view(-1)
             adv = torch.where((count < 2).repeat_interleave(g, 1).view(-1), torch.zeros_like(adv), adv)
+        elif advantage_estimator == "reinforce_plus_plus":
+            adv = total - torch.nanmean(total)
+            if scale != "none":
+                std = nanstd(total) if n > 1 else total.new_zeros(())
+                adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
         else:
             mean = torch.nanmean(grouped, dim=1, keepdim=True)
             adv = (grouped - mean).view(-1)
@@ -136,7 +141,8 @@ def group_advantages(
                 std = nanstd(total) if n > 1 else total.new_zeros(())
                 adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
 
-    adv = torch.where(zero | unscorable, torch.zeros_like(adv), adv)
+    tied = zero if advantage_estimator != "reinforce_plus_plus" else torch.zeros_like(zero)
+    adv = torch.where(tied | unscorable, torch.zeros_like(adv), adv)
     adv = torch.nan_to_num(adv, nan=0.0)
     return AdvantageResult(advantages=adv, rewards=total, weighted=weighted, zero_std=zero)
 
@@ -158,8 +164,14 @@ def compute_advantages(
     ``normalize_then_sum`` (GDPO): each reward normalised within its group, weighted and summed, then the sum
     normalised over the batch (``scale_rewards`` is not used).
     ``advantage_estimator="rloo"`` (arXiv 2402.14740): ``A_i = R_i - mean_{j≠i} R_j``, unscaled.
+    ``advantage_estimator="reinforce_plus_plus"`` (REINFORCE++, arXiv 2501.03262, global advantage normalisation):
+    ``A_i = (R_i - mean_batch R) / (std_batch R + 1e-4)`` over every completion of the batch, the groups ignored
+    (``scale_rewards="none"``: centred only). A group whose completions all scored alike then still teaches: below
+    the batch's mean it is pushed away from what it sampled, above it pulled towards it. The statistics are over
+    completions (verl's ``reinforce_plus_plus`` whitens over tokens: the same for equal lengths).
 
-    Groups whose rewards are all equal get exactly 0, and so do rows every reward function skipped.
+    Groups whose rewards are all equal get exactly 0 (except under ``reinforce_plus_plus``), and so do rows every
+    reward function skipped.
     """
     return group_advantages(
         rewards, num_generations, reward_weights=reward_weights, scale_rewards=scale_rewards,

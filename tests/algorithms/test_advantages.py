@@ -136,6 +136,26 @@ def test_rloo_group_of_one_and_nan_and_ties():
     assert compute_advantages(col([NAN, 2.0, 0.1 + 0.2, 0.3]), 2, advantage_estimator="rloo").tolist() == [0.0] * 4
 
 
+def test_reinforce_plus_plus_by_hand():
+    """The batch's mean and spread, groups ignored: a tied group is not zeroed (it is below or above the batch)."""
+    R = [1.0, 1.0, 1.0, 1.0, 1.2, 0.0, 0.2, 1.0, 0.0, 0.0, 0.0, 0.0]
+    mu, sd = statistics.mean(R), statistics.stdev(R)
+    got = compute_advantages(col(R), 4, advantage_estimator="reinforce_plus_plus", scale_rewards="batch")
+    assert got.tolist() == approx([(r - mu) / (sd + EPS) for r in R])
+    assert got[:4].min() > 0 and got[8:].max() < 0  # the all-right group pulled up, the all-wrong one pushed down
+    # "group" scales by the batch's spread as well (there are no groups); "none" only centres
+    assert compute_advantages(col(R), 4, advantage_estimator="reinforce_plus_plus").tolist() == approx(got.tolist())
+    assert compute_advantages(col(R), 4, advantage_estimator="reinforce_plus_plus", scale_rewards="none").tolist() \
+        == approx([r - mu for r in R])
+    # the grouping does not matter; NaN rows are left out of the statistics and get 0
+    assert compute_advantages(col(R), 2, advantage_estimator="reinforce_plus_plus").tolist() == approx(got.tolist())
+    got = compute_advantages(col([1.0, NAN, 3.0, 2.0]), 2, advantage_estimator="reinforce_plus_plus",
+                             scale_rewards="none")
+    assert got.tolist() == approx([-1.0, 0.0, 1.0, 0.0])
+    # a batch that scored all alike teaches nothing
+    assert compute_advantages(col([0.5] * 4), 2, advantage_estimator="reinforce_plus_plus").tolist() == [0.0] * 4
+
+
 def test_normalize_then_sum_by_hand():
     r = torch.tensor([[1.0, 10.0], [0.0, 30.0], [1.0, 20.0], [0.5, 20.0]], dtype=F64)
     w = [1.0, 0.5]
