@@ -264,6 +264,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                                      "LoRA) with this decay, in (0, 1), ramped up as min(decay, (1+t)/(10+t)); the "
                                      "model gets the average when training ends. None: off.")
     )
+    loraplus_lr_ratio: float | None = field(
+        default=None, metadata=_meta("LoRA+ (arXiv 2402.12354): the adapters' B matrices learn this many times faster "
+                                     "than their A matrices (the paper suggests ~16, with a learning rate about half "
+                                     "of plain LoRA's). None: one learning rate for both.")
+    )
     skip_nonfinite_steps: bool = field(
         default=False,
         metadata=_meta("Skip (and count) a micro-step whose loss is not finite instead of raising."),
@@ -358,6 +363,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("dynamic_sampling_max_rounds", 1, integer=True)
         check.number("dynamic_sampling_oversample", 1)
         check.number("ema_decay", 0, 1, lo_open=True, hi_open=True, optional=True)
+        check.number("loraplus_lr_ratio", 0, lo_open=True, optional=True)
         check.number("max_staleness", 0, integer=True)
         check.number("max_tool_calling_iterations", 0, integer=True, optional=True)
         check.number("weight_sync_steps", 1, integer=True)

@@ -125,6 +125,7 @@ FIELDS = frozenset({
     "logging_nan_inf_filter",
     "logging_steps",
     "logging_strategy",
+    "loraplus_lr_ratio",
     "loss_params",
     "loss_type",
     "lr_scheduler_kwargs",

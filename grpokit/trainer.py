@@ -330,6 +330,18 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         return self._last_grad_norm
 
     # -- data ------------------------------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        """transformers' optimizer; with ``loraplus_lr_ratio`` the adapters' B matrices in groups of their own at that
+        multiple of the learning rate (:mod:`grpokit.lora_plus`). An optimizer passed in ``optimizers`` is left as
+        it is."""
+        given = self.optimizer is not None
+        optimizer = super().create_optimizer(model)
+        if self.args.loraplus_lr_ratio is not None and not given:
+            from .lora_plus import split_lora_b_groups
+
+            split_lora_b_groups(optimizer, self.model if model is None else model, self.args.loraplus_lr_ratio)
+        return optimizer
+
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         return GroupRepeatSampler(
