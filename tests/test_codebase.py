@@ -124,3 +124,19 @@ def test_test_modules_have_unique_names():
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not clashes, f"test files share a name: {clashes}"
+
+
+def test_make_installs_torch_first_for_the_demo_and_the_tests():
+    """`make demo` and `make test` (CI) install the pinned torch before anything that depends on it (an unpinned
+    torch pulls a multi-GB CUDA build), and the test extra only for the tests."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[1]
+    for target, wants_test_extra in (("demo", False), ("test", True)):
+        out = subprocess.run(["make", "-n", target, "PY=python"], cwd=root, capture_output=True, text=True)
+        assert out.returncode == 0 and "Circular" not in out.stderr, out.stderr
+        pips = [line for line in out.stdout.splitlines() if "pip install" in line]
+        assert "torch==" in pips[0]
+        assert any('".[test]"' in line for line in pips) == wants_test_extra
