@@ -329,7 +329,6 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._last_grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         return self._last_grad_norm
 
-    # -- data ------------------------------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
         """transformers' optimizer; with ``loraplus_lr_ratio`` the adapters' B matrices in groups of their own at that
         multiple of the learning rate (:mod:`grpokit.lora_plus`). An optimizer passed in ``optimizers`` is left as
@@ -342,6 +341,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             split_lora_b_groups(optimizer, self.model if model is None else model, self.args.loraplus_lr_ratio)
         return optimizer
 
+    # -- data ------------------------------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         return GroupRepeatSampler(

@@ -5,6 +5,7 @@ rate, every trainable parameter in exactly one group, the schedule scaling both 
 from __future__ import annotations
 
 import pytest
+import torch
 from datasets import Dataset
 from peft import LoraConfig
 from tiny import tiny_model, tiny_tokenizer
@@ -78,3 +79,10 @@ def test_without_lora_one_line(tmp_path):
         make_trainer(tmp_path, lora=False, loraplus_lr_ratio=4.0).create_optimizer()
     with pytest.raises(ValueError, match=r"loraplus_lr_ratio"):
         GRPOConfig(output_dir=str(tmp_path), loraplus_lr_ratio=0.0)
+
+
+def test_an_optimizer_passed_in_is_left_as_it_is(tmp_path):
+    t = make_trainer(tmp_path, loraplus_lr_ratio=4.0)
+    given = torch.optim.SGD([p for p in t.model.parameters() if p.requires_grad], lr=LR)
+    t.optimizer = given
+    assert t.create_optimizer() is given and len(given.param_groups) == 1 and given.param_groups[0]["lr"] == LR
