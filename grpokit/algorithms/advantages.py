@@ -105,6 +105,7 @@ def group_advantages(
     weighted = (rewards * weights).nansum(-1)
     weighted[unscorable] = torch.nan
     g = num_generations
+    whole_batch = advantage_estimator == "reinforce_plus_plus"  # the baseline and spread of the whole batch
 
     if multi_objective_aggregation == "normalize_then_sum":
         grouped = rewards.view(-1, g, k)
@@ -126,22 +127,17 @@ def group_advantages(
             others = (torch.nansum(grouped, 1, keepdim=True) - torch.nan_to_num(grouped, nan=0.0)) / (count - 1).clamp(min=1.0)
             adv = (grouped - others).view(-1)
             adv = torch.where((count < 2).repeat_interleave(g, 1).view(-1), torch.zeros_like(adv), adv)
-        elif advantage_estimator == "reinforce_plus_plus":
-            adv = total - torch.nanmean(total)
-            if scale != "none":
-                std = nanstd(total) if n > 1 else total.new_zeros(())
-                adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
-        else:
-            mean = torch.nanmean(grouped, dim=1, keepdim=True)
-            adv = (grouped - mean).view(-1)
-            if scale == "group":
+        else:  # R minus a baseline: the group's mean (grpo), or the whole batch's (reinforce_plus_plus)
+            baseline = torch.nanmean(total) if whole_batch else torch.nanmean(grouped, dim=1, keepdim=True)
+            adv = (grouped - baseline).view(-1)
+            if scale == "group" and not whole_batch:
                 std = nanstd(grouped, dim=1, keepdim=True).expand(-1, g).reshape(-1)
                 adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
-            elif scale == "batch":
+            elif scale != "none":  # "batch", and "group" when there are no groups
                 std = nanstd(total) if n > 1 else total.new_zeros(())
                 adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
 
-    tied = zero if advantage_estimator != "reinforce_plus_plus" else torch.zeros_like(zero)
+    tied = torch.zeros_like(zero) if whole_batch else zero  # tied: no signal against its own mean, some against the batch
     adv = torch.where(tied | unscorable, torch.zeros_like(adv), adv)
     adv = torch.nan_to_num(adv, nan=0.0)
     return AdvantageResult(advantages=adv, rewards=total, weighted=weighted, zero_std=zero)

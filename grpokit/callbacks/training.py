@@ -61,4 +61,3 @@ class TimeBudget(TrainerCallback):
         if any_process(now - self.start + max(self.recent) > self.seconds, args.device):
             control.should_training_stop = True
         return control
-
