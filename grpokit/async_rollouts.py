@@ -99,15 +99,20 @@ class AsyncRollouts:
                 params.max_new_tokens = max_new_tokens
             return t.rollout.generate(model, ids, mask, params)
 
-        samples = t._score_rows(rows, "train", generate=generate, logs=logs)
         if a.dynamic_sampling:
+            need = len(rows) // a.num_generations
+            first = t._score_rows(rows + t._refill_rows(t._first_round_groups(need) - need), "train",
+                                  generate=generate, logs=logs)
             samples, stats = fill_with_informative_groups(
-                samples, lambda n: t._score_rows(t._refill_rows(n), "train", generate=generate, logs=logs),
+                first, lambda n: t._score_rows(t._refill_rows(n), "train", generate=generate, logs=logs),
                 a.num_generations, t.reward_weights, a.dynamic_sampling_max_rounds, t.processing_class.pad_token_id,
-                max_round_factor=a.dynamic_sampling_oversample)
+                max_round_factor=a.dynamic_sampling_oversample, need=need)
+            t._last_keep_rate = stats.keep_rate
             logs["metrics"] += [("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups),
                                 ("dynamic_sampling/rounds", float(stats.rounds)),
-                                ("dynamic_sampling/unfilled_frac", stats.unfilled_groups / (len(samples) // a.num_generations))]
+                                ("dynamic_sampling/unfilled_frac", stats.unfilled_groups / need)]
+        else:
+            samples = t._score_rows(rows, "train", generate=generate, logs=logs)
         behaviour = samples.generation.sampler_logps
         if self.sampler is not None:
             device = t.accelerator.device

@@ -256,8 +256,9 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     dynamic_sampling_oversample: float = field(
         default=1.0, metadata=_meta("Dynamic sampling: an extra round draws as many prompts as the missing groups need "
                                     "at the keep rate seen so far, at most this many times the generation batch's "
-                                    "prompts (>= 1; larger rounds are fewer and generate faster per completion, "
-                                    "and take more memory).")
+                                    "prompts; above 1, a batch's first round also adds the prompts the last batch's "
+                                    "keep rate says will be needed, up to the same cap (>= 1; larger rounds are "
+                                    "fewer and generate faster per completion, and take more memory).")
     )
     ema_decay: float | None = field(
         default=None, metadata=_meta("Keep an exponential moving average of the trained weights (the adapter's with "

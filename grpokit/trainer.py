@@ -42,7 +42,7 @@ from .process_group import any_process
 from .reference import check_sync_ref_model, load_reference, mix_into_reference, save_reference
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.base import Generation, SamplingParams, context_length, stop_token_ids
-from .rollout.dynamic_sampling import fill_with_informative_groups
+from .rollout.dynamic_sampling import fill_with_informative_groups, first_round_groups
 from .rollout.sample import ScoredSamples, sample_and_score
 from .rollout.transformers_backend import TransformersRollout
 from .run_dir import run_signature, save_signature
@@ -146,6 +146,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._last_samples: dict[str, Any] | None = None
         self._pending_reward_metrics: dict[str, list[float]] = defaultdict(list)
         self._refill_position = 0  # dynamic sampling's own stream of prompts
+        self._last_keep_rate = None  # dynamic sampling: the share of groups the last batch kept (sizes the next)
         self._weight_average = None  # ema_decay's average of the trained weights, made when training starts
         self._async = None
         if args.max_staleness > 0:
@@ -223,7 +224,9 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                 self._entropy_ctrl.load_state_dict(json.loads(open(path).read()))
             path = os.path.join(self._resume_checkpoint, self._state_file_name())
             if os.path.isfile(path):
-                self._refill_position = int(json.loads(open(path).read()).get("refill_position", 0))
+                saved = json.loads(open(path).read())
+                self._refill_position = int(saved.get("refill_position", 0))
+                self._last_keep_rate = saved.get("last_keep_rate")
         if self._async is not None:
             self._async.start(state)
 
@@ -277,7 +280,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             atomic_write_text(os.path.join(checkpoint_dir, ENTROPY_STATE_FILE),
                               json.dumps(self._entropy_ctrl.state_dict()))
         atomic_write_text(os.path.join(checkpoint_dir, self._state_file_name()),
-                          json.dumps({"refill_position": self._refill_position}))
+                          json.dumps({"refill_position": self._refill_position,
+                                      "last_keep_rate": self._last_keep_rate}))
         if self.args.should_save:
             save_signature(self.run_signature(), checkpoint_dir)
 
@@ -434,9 +438,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         """One generation batch, scored and made into the batch the loss takes: with ``dynamic_sampling`` (training)
         groups without reward spread are replaced by fresh ones first."""
         with self._adapter_merged_for_batch():
-            samples = self._score_rows(rows, mode)
             if mode == "train" and self.args.dynamic_sampling:
-                samples = self._fill_informative(samples, mode)
+                need = len(rows) // self.args.num_generations
+                extra = self._refill_rows(self._first_round_groups(need) - need)
+                samples = self._fill_informative(self._score_rows(rows + extra, mode), mode, need)
+            else:
+                samples = self._score_rows(rows, mode)
         return self._finish_batch(samples, mode)
 
     def _adapter_merged_for_batch(self):
@@ -497,20 +504,26 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         prepared.ids, prepared.mask = prepared.ids.to(device), prepared.mask.to(device)
         return prepared, generation, merge_fields(rows, fields)
 
-    def _fill_informative(self, samples: ScoredSamples, mode: str) -> ScoredSamples:
-        """DAPO dynamic sampling (:mod:`grpokit.rollout.dynamic_sampling`), prompts for extra rounds drawn from
-        :meth:`_refill_rows`; logs the share of generated groups dropped, the rounds used and what stayed unfilled."""
+    def _first_round_groups(self, need: int) -> int:
+        """The groups the first generation round of a batch asks for: the batch's ``need`` and the refill prompts the
+        last batch's keep rate says will be needed (:func:`grpokit.rollout.dynamic_sampling.first_round_groups`)."""
+        return first_round_groups(need, self._last_keep_rate, self.args.dynamic_sampling_oversample)
+
+    def _fill_informative(self, samples: ScoredSamples, mode: str, need: int) -> ScoredSamples:
+        """DAPO dynamic sampling (:mod:`grpokit.rollout.dynamic_sampling`) to ``need`` groups, prompts for extra
+        rounds drawn from :meth:`_refill_rows`; logs the share of generated groups dropped, the rounds used and what
+        stayed unfilled, and keeps the keep rate for the next batch's first round."""
         a = self.args
         lockstep = self.accelerator.num_processes > 1 and sharding_kind(self.model_wrapped or self.model) is not None
         any_short = (lambda short: any_process(short, self.accelerator.device)) if lockstep else None
         filled, stats = fill_with_informative_groups(
             samples, lambda n: self._score_rows(self._refill_rows(n), mode), a.num_generations, self.reward_weights,
             a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_short,
-            max_round_factor=a.dynamic_sampling_oversample)
+            max_round_factor=a.dynamic_sampling_oversample, need=need)
+        self._last_keep_rate = stats.keep_rate
         self.record_metric("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups, mode)
         self.record_metric("dynamic_sampling/rounds", float(stats.rounds), mode)
-        self.record_metric("dynamic_sampling/unfilled_frac", stats.unfilled_groups * a.num_generations / len(samples),
-                           mode)
+        self.record_metric("dynamic_sampling/unfilled_frac", stats.unfilled_groups / need, mode)
         return filled
 
     def _refill_rows(self, n_groups: int) -> list[dict]:

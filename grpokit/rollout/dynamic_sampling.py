@@ -19,6 +19,10 @@ import torch
 from ..algorithms.advantages import dynamic_sampling_keep
 from .sample import ScoredSamples
 
+MIN_KEEP_RATE = 0.1
+"""The keep rate a round is sized by is taken as at least this (a batch that kept nothing asks for 10× what is
+missing, within the round cap)."""
+
 
 @dataclass
 class FillStats:
@@ -30,6 +34,24 @@ class FillStats:
     unfilled_groups: int
     """Groups without reward spread that stayed in the batch because the rounds ran out."""
 
+    @property
+    def keep_rate(self) -> float:
+        """The share of generated groups that had reward spread."""
+        return 1.0 - self.dropped_groups / max(1, self.generated_groups)
+
+
+def first_round_groups(need: int, last_keep_rate: float | None, max_round_factor: float) -> int:
+    """How many groups the first round of a batch generates: the batch's own ``need`` and, when the last batch kept
+    only ``last_keep_rate`` of what it generated, as many more as that rate says will be dropped, up to
+    ``max_round_factor`` times ``need`` in all. One call then does what the first two rounds did (each generation
+    call pays a fixed cost, the sequential decoding loop, whatever its size); with ``max_round_factor`` 1, or before
+    any batch was seen, the first round is the batch alone."""
+    if last_keep_rate is None or max_round_factor <= 1:
+        return need
+    cap = max(need, math.floor(need * max_round_factor))
+    return min(cap, max(need, math.ceil(need / max(MIN_KEEP_RATE, last_keep_rate))))
+
+
 
 def fill_with_informative_groups(
     first: ScoredSamples,
@@ -40,19 +62,21 @@ def fill_with_informative_groups(
     pad_id: int,
     any_rank_short: Callable[[bool], bool] | None = None,
     max_round_factor: float = 1.0,
+    need: int | None = None,
 ) -> tuple[ScoredSamples, FillStats]:
     """Keep ``first``'s groups with reward spread and add groups from ``sample_more(n_groups)`` (each call generates
-    and scores ``n_groups`` fresh prompts × ``num_generations``) until there are as many groups as ``first`` had or
+    and scores ``n_groups`` fresh prompts × ``num_generations``) until there are ``need`` groups (default: as many as
+    ``first`` has; ``first`` may hold more, generated ahead as :func:`first_round_groups` says) or
     ``max_extra_rounds`` rounds were drawn; each round asks for the groups still missing, scaled up by the share
-    of groups dropped so far, and at most ``max_round_factor`` times as many groups as ``first`` had (one large
-    round generates faster than several small ones; kept groups beyond the batch are discarded). When the rounds
-    run out, dropped groups fill the rest (they carry no gradient), so the batch keeps its shape.
-    ``any_rank_short(short)`` (when given) makes every rank run the same rounds."""
+    of groups dropped so far, and at most ``max_round_factor`` times ``need`` (one large round generates faster
+    than several small ones; kept groups beyond the batch are discarded). When the rounds run out, dropped groups
+    fill the rest (they carry no gradient), so the batch keeps its shape. ``any_rank_short(short)`` (when given)
+    makes every rank run the same rounds."""
     g = num_generations
     if len(first) % g:
         raise ValueError(f"dynamic sampling needs whole groups on every process: {len(first)} rows is not a multiple "
                          f"of num_generations={g} (make per_device_train_batch_size × steps_per_generation a multiple)")
-    need = len(first) // g
+    need = len(first) // g if need is None else need
     round_cap = max(1, math.floor(need * max_round_factor))
     kept: list[ScoredSamples] = []
     dropped: list[ScoredSamples] = []
@@ -73,7 +97,7 @@ def fill_with_informative_groups(
         if not short or rounds > max_extra_rounds:
             break
         missing = max(0, need - n_kept)
-        keep_rate = max(0.1, n_kept / generated)
+        keep_rate = max(MIN_KEEP_RATE, n_kept / generated)
         batch = sample_more(max(1, min(round_cap, math.ceil(missing / keep_rate))))
     chosen = kept[:need]
     unfilled = need - len(chosen)

@@ -13,7 +13,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.config import GRPOConfig
 from grpokit.rollout.base import Generation
-from grpokit.rollout.dynamic_sampling import fill_with_informative_groups
+from grpokit.rollout.dynamic_sampling import fill_with_informative_groups, first_round_groups
 from grpokit.rollout.sample import ScoredSamples
 from grpokit.trainer import GRPOTrainer
 
@@ -66,6 +66,33 @@ def test_a_larger_round_cap_asks_for_what_the_keep_rate_says_in_one_round():
                                               max_round_factor=1.5)
     assert asked == [6, 4]  # 12 capped at ⌊1.5 × 4⌋ = 6 (two kept); then 1 missing at a keep rate of 3/10 → 4
     assert out.prompts == ["a1", "a1", "b0", "b0", "b4", "b4", "b0", "b0"] and stats.rounds == 3
+
+
+def test_first_round_is_sized_by_the_last_keep_rate():
+    assert first_round_groups(8, None, 4) == 8  # no batch seen yet: the batch alone
+    assert first_round_groups(8, 0.25, 1) == 8  # rounds of at most one batch (the default): the batch alone
+    assert first_round_groups(8, 0.25, 4) == 32  # a quarter kept last time: 8 / 0.25
+    assert first_round_groups(8, 0.3, 4) == 27  # ⌈8 / 0.3⌉
+    assert first_round_groups(8, 0.0, 4) == 32  # nothing kept: 10× (the floor on the rate), capped at 4 × 8
+    assert first_round_groups(8, 1.0, 4) == 8
+    assert first_round_groups(4, 0.25, 1.5) == 6  # ⌊1.5 × 4⌋
+
+
+def test_a_first_round_larger_than_the_batch_fills_to_need():
+    first = fake_samples([[1, 1], [0, 1], [0, 0], [1, 0], [2, 0], [1, 1]], "a")  # groups 1, 3 and 4 have spread
+    out, stats = fill_with_informative_groups(first, None, G, torch.ones(1), max_extra_rounds=3, pad_id=0, need=2)
+    assert out.prompts == ["a1", "a1", "a3", "a3"]  # no extra round: the surplus group a4 is discarded
+    assert stats.rounds == 1 and stats.generated_groups == 6 and stats.keep_rate == 0.5
+    asked = []
+
+    def more(n):
+        asked.append(n)
+        return fake_samples([[0, 1]] * n, "b")
+
+    out, stats = fill_with_informative_groups(first, more, G, torch.ones(1), max_extra_rounds=3, pad_id=0, need=4,
+                                              max_round_factor=2)
+    assert asked == [2]  # one missing at a keep rate of 3/6 → 2
+    assert out.prompts == ["a1", "a1", "a3", "a3", "a4", "a4", "b0", "b0"] and stats.rounds == 2
 
 
 def test_rounds_run_out_and_dropped_groups_fill_the_rest():
@@ -135,6 +162,45 @@ def test_refill_position_is_checkpointed_and_restored(tmp_path):
                           train_dataset=_dataset(), processing_class=tok)
     resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     assert resumed._refill_position >= saved["refill_position"]
+
+
+def test_first_round_of_later_batches_adds_what_the_keep_rate_says(tmp_path):
+    """With rounds up to 4× the batch, a batch's first generation call already holds the refill prompts the last
+    batch's keep rate asks for (one call instead of two); the rate is checkpointed with the refill position."""
+    tok = tiny_tokenizer()
+    args = make_args(tmp_path, max_steps=3, dynamic_sampling_oversample=4, save_strategy="steps", save_steps=3)
+    calls, keep_rates = [], []
+
+    def instrumented(trainer):
+        generate, first_round = trainer._generate, trainer._first_round_groups
+
+        def sized(need):
+            keep_rates.append(trainer._last_keep_rate)
+            return first_round(need)
+
+        def counted(ids, mask, mode, max_new_tokens=None):
+            calls.append(ids.shape[0])
+            return generate(ids, mask, mode, max_new_tokens)
+
+        trainer._generate, trainer._first_round_groups = counted, sized
+        return trainer
+
+    trainer = instrumented(GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=args, train_dataset=_dataset(),
+                                       processing_class=tok))
+    trainer.train()
+    assert keep_rates[0] is None and all(0 < r < 1 for r in keep_rates[1:])  # 2 of 3 prompts are hard
+    rounds = [int(h["dynamic_sampling/rounds"]) for h in trainer.state.log_history if "dynamic_sampling/rounds" in h]
+    assert calls[0] == 8  # the first batch: its 2 prompts × 4
+    first_calls = [calls[sum(rounds[:i])] for i in range(len(rounds))]
+    assert first_calls[1:] == [4 * first_round_groups(2, r, 4) for r in keep_rates[1:]]
+    assert all(n > 8 for n in first_calls[1:])
+    saved = json.loads(open(os.path.join(args.output_dir, "checkpoint-3", "grpokit_state_0.json")).read())
+    assert saved["last_keep_rate"] == trainer._last_keep_rate
+    keep_rates.clear()
+    resumed = instrumented(GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path, max_steps=4),
+                                       train_dataset=_dataset(), processing_class=tok))
+    resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-3"))
+    assert keep_rates == [saved["last_keep_rate"]]  # the resumed batch is sized as the uninterrupted run's would be
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
