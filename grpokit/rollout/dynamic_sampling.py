@@ -52,7 +52,6 @@ def first_round_groups(need: int, last_keep_rate: float | None, max_round_factor
     return min(cap, max(need, math.ceil(need / max(MIN_KEEP_RATE, last_keep_rate))))
 
 
-
 def fill_with_informative_groups(
     first: ScoredSamples,
     sample_more: Callable[[int], ScoredSamples],
