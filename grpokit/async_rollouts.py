@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from .logprobs import completion_logps
-from .rollout.dynamic_sampling import fill_with_informative_groups
 from .rollout.producer import GenerationBatchSource, ProducedBatch, RolloutProducer
 
 
@@ -99,20 +98,13 @@ class AsyncRollouts:
                 params.max_new_tokens = max_new_tokens
             return t.rollout.generate(model, ids, mask, params)
 
+        def score(some_rows):
+            return t._score_rows(some_rows, "train", generate=generate, logs=logs)
+
         if a.dynamic_sampling:
-            need = len(rows) // a.num_generations
-            first = t._score_rows(rows + t._refill_rows(t._first_round_groups(need) - need), "train",
-                                  generate=generate, logs=logs)
-            samples, stats = fill_with_informative_groups(
-                first, lambda n: t._score_rows(t._refill_rows(n), "train", generate=generate, logs=logs),
-                a.num_generations, t.reward_weights, a.dynamic_sampling_max_rounds, t.processing_class.pad_token_id,
-                max_round_factor=a.dynamic_sampling_oversample, need=need)
-            t._last_keep_rate = stats.keep_rate
-            logs["metrics"] += [("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups),
-                                ("dynamic_sampling/rounds", float(stats.rounds)),
-                                ("dynamic_sampling/unfilled_frac", stats.unfilled_groups / need)]
+            samples = t._sample_informative(rows, score, lambda name, value: logs["metrics"].append((name, value)))
         else:
-            samples = t._score_rows(rows, "train", generate=generate, logs=logs)
+            samples = score(rows)
         behaviour = samples.generation.sampler_logps
         if self.sampler is not None:
             device = t.accelerator.device

@@ -439,9 +439,11 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         groups without reward spread are replaced by fresh ones first."""
         with self._adapter_merged_for_batch():
             if mode == "train" and self.args.dynamic_sampling:
-                need = len(rows) // self.args.num_generations
-                extra = self._refill_rows(self._first_round_groups(need) - need)
-                samples = self._fill_informative(self._score_rows(rows + extra, mode), mode, need)
+                lockstep = (self.accelerator.num_processes > 1
+                            and sharding_kind(self.model_wrapped or self.model) is not None)
+                samples = self._sample_informative(
+                    rows, lambda r: self._score_rows(r, mode), lambda name, value: self.record_metric(name, value, mode),
+                    (lambda short: any_process(short, self.accelerator.device)) if lockstep else None)
             else:
                 samples = self._score_rows(rows, mode)
         return self._finish_batch(samples, mode)
@@ -509,21 +511,23 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         last batch's keep rate says will be needed (:func:`grpokit.rollout.dynamic_sampling.first_round_groups`)."""
         return first_round_groups(need, self._last_keep_rate, self.args.dynamic_sampling_oversample)
 
-    def _fill_informative(self, samples: ScoredSamples, mode: str, need: int) -> ScoredSamples:
-        """DAPO dynamic sampling (:mod:`grpokit.rollout.dynamic_sampling`) to ``need`` groups, prompts for extra
-        rounds drawn from :meth:`_refill_rows`; logs the share of generated groups dropped, the rounds used and what
-        stayed unfilled, and keeps the keep rate for the next batch's first round."""
+    def _sample_informative(self, rows: list[dict], score, record, any_rank_short=None) -> ScoredSamples:
+        """DAPO dynamic sampling (:mod:`grpokit.rollout.dynamic_sampling`) for one generation batch, the synchronous
+        trainer's and the asynchronous producer's alike: ``score(rows)`` generates and scores, ``record(name, value)``
+        logs. The first round holds ``rows`` and the refill prompts the last batch's keep rate asks for; extra rounds
+        draw from :meth:`_refill_rows` until the batch's groups have reward spread; logs the share of generated groups
+        dropped, the rounds used and what stayed unfilled, and keeps the keep rate for the next batch."""
         a = self.args
-        lockstep = self.accelerator.num_processes > 1 and sharding_kind(self.model_wrapped or self.model) is not None
-        any_short = (lambda short: any_process(short, self.accelerator.device)) if lockstep else None
+        need = len(rows) // a.num_generations
+        first = score(rows + self._refill_rows(self._first_round_groups(need) - need))
         filled, stats = fill_with_informative_groups(
-            samples, lambda n: self._score_rows(self._refill_rows(n), mode), a.num_generations, self.reward_weights,
-            a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_short,
+            first, lambda n: score(self._refill_rows(n)), a.num_generations, self.reward_weights,
+            a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_rank_short,
             max_round_factor=a.dynamic_sampling_oversample, need=need)
         self._last_keep_rate = stats.keep_rate
-        self.record_metric("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups, mode)
-        self.record_metric("dynamic_sampling/rounds", float(stats.rounds), mode)
-        self.record_metric("dynamic_sampling/unfilled_frac", stats.unfilled_groups / need, mode)
+        record("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups)
+        record("dynamic_sampling/rounds", float(stats.rounds))
+        record("dynamic_sampling/unfilled_frac", stats.unfilled_groups / need)
         return filled
 
     def _refill_rows(self, n_groups: int) -> list[dict]:
