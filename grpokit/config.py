@@ -260,6 +260,12 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                                     "keep rate says will be needed, up to the same cap (>= 1; larger rounds are "
                                     "fewer and generate faster per completion, and take more memory).")
     )
+    dynamic_sampling_explore_prob: float = field(
+        default=1.0, metadata=_meta("Dynamic sampling: a prompt whose last z groups all scored alike is generated again "
+                                    "with probability p**z and skipped otherwise (GRESO's pre-rollout filter, "
+                                    "arXiv 2506.02177); the first group with reward spread resets z. In (0, 1]; 1 "
+                                    "generates every prompt.")
+    )
     ema_decay: float | None = field(
         default=None, metadata=_meta("Keep an exponential moving average of the trained weights (the adapter's with "
                                      "LoRA) with this decay, in (0, 1), ramped up as min(decay, (1+t)/(10+t)); the "
@@ -363,6 +369,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("overlong_penalty_factor", 0)
         check.number("dynamic_sampling_max_rounds", 1, integer=True)
         check.number("dynamic_sampling_oversample", 1)
+        check.number("dynamic_sampling_explore_prob", 0, 1, lo_open=True)
         check.number("ema_decay", 0, 1, lo_open=True, hi_open=True, optional=True)
         check.number("loraplus_lr_ratio", 0, lo_open=True, optional=True)
         check.number("max_staleness", 0, integer=True)

@@ -68,6 +68,7 @@ FIELDS = frozenset({
     "do_train",
     "ds3_gather_for_generation",
     "dynamic_sampling",
+    "dynamic_sampling_explore_prob",
     "dynamic_sampling_max_rounds",
     "dynamic_sampling_oversample",
     "ema_decay",

@@ -26,7 +26,7 @@ from accelerate.utils import gather_object
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from .algorithms import LossScale, LossSettings, policy_loss
-from .algorithms.advantages import group_advantages, nanstd, overlong_penalty
+from .algorithms.advantages import dynamic_sampling_keep, group_advantages, nanstd, overlong_penalty
 from .algorithms.entropy import AdaptiveEntropyCoef, entropy_bonus
 from .algorithms.importance import sampler_importance_ratio
 from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
@@ -43,6 +43,7 @@ from .reference import check_sync_ref_model, load_reference, mix_into_reference,
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.base import Generation, SamplingParams, context_length, stop_token_ids
 from .rollout.dynamic_sampling import fill_with_informative_groups, first_round_groups
+from .rollout.prompt_skipping import PromptSkipper
 from .rollout.sample import ScoredSamples, sample_and_score
 from .rollout.transformers_backend import TransformersRollout
 from .run_dir import run_signature, save_signature
@@ -147,6 +148,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._pending_reward_metrics: dict[str, list[float]] = defaultdict(list)
         self._refill_position = 0  # dynamic sampling's own stream of prompts
         self._last_keep_rate = None  # dynamic sampling: the share of groups the last batch kept (sizes the next)
+        self._prompt_skipper = (PromptSkipper(args.dynamic_sampling_explore_prob, args.seed + 104729)
+                                if args.dynamic_sampling and args.dynamic_sampling_explore_prob < 1.0 else None)
         self._weight_average = None  # ema_decay's average of the trained weights, made when training starts
         self._async = None
         if args.max_staleness > 0:
@@ -227,6 +230,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                 saved = json.loads(open(path).read())
                 self._refill_position = int(saved.get("refill_position", 0))
                 self._last_keep_rate = saved.get("last_keep_rate")
+                if self._prompt_skipper is not None and "prompt_skipper" in saved:
+                    self._prompt_skipper.load_state_dict(saved["prompt_skipper"])
         if self._async is not None:
             self._async.start(state)
 
@@ -281,7 +286,9 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                               json.dumps(self._entropy_ctrl.state_dict()))
         atomic_write_text(os.path.join(checkpoint_dir, self._state_file_name()),
                           json.dumps({"refill_position": self._refill_position,
-                                      "last_keep_rate": self._last_keep_rate}))
+                                      "last_keep_rate": self._last_keep_rate,
+                                      **({"prompt_skipper": self._prompt_skipper.state_dict()}
+                                         if self._prompt_skipper is not None else {})}))
         if self.args.should_save:
             save_signature(self.run_signature(), checkpoint_dir)
 
@@ -517,17 +524,29 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         logs. The first round holds ``rows`` and the refill prompts the last batch's keep rate asks for; extra rounds
         draw from :meth:`_refill_rows` until the batch's groups have reward spread; logs the share of generated groups
         dropped, the rounds used and what stayed unfilled, and keeps the keep rate for the next batch."""
-        a = self.args
-        need = len(rows) // a.num_generations
-        first = score(rows + self._refill_rows(self._first_round_groups(need) - need))
+        a, g, skipper = self.args, self.args.num_generations, self._prompt_skipper
+        need = len(rows) // g
+        if skipper is not None:  # GRESO: prompts on a streak of groups that scored alike, skipped before generating
+            rows = skipper.keep_groups(rows, g)
+
+            def score_and_observe(batch_rows: list[dict], score=score) -> ScoredSamples:
+                s = score(batch_rows)
+                skipper.observe(batch_rows, g, dynamic_sampling_keep(s.rewards, g, self.reward_weights.to(
+                    s.rewards.device)).tolist())
+                return s
+
+            score = score_and_observe
+        first = score(rows + self._refill_rows(self._first_round_groups(need) - len(rows) // g))
         filled, stats = fill_with_informative_groups(
-            first, lambda n: score(self._refill_rows(n)), a.num_generations, self.reward_weights,
+            first, lambda n: score(self._refill_rows(n)), g, self.reward_weights,
             a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_rank_short,
             max_round_factor=a.dynamic_sampling_oversample, need=need)
         self._last_keep_rate = stats.keep_rate
         record("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups)
         record("dynamic_sampling/rounds", float(stats.rounds))
         record("dynamic_sampling/unfilled_frac", stats.unfilled_groups / need)
+        if skipper is not None:
+            record("dynamic_sampling/skipped_frac", skipper.take_skipped_frac() or 0.0)
         return filled
 
     def _refill_rows(self, n_groups: int) -> list[dict]:
@@ -538,7 +557,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         prompts after the sampler's first generation batch."""
         n, world, rank = len(self.train_dataset), self.args.world_size, self.args.process_index
         rows = []
-        for _ in range(n_groups):
+        scanned = 0
+        while len(rows) < n_groups * self.args.num_generations:
             global_pos = self._refill_position * world + rank
             index = global_pos % n
             if not self.args.shuffle_dataset:  # after the first generation batch's prompts (a global count)
@@ -546,8 +566,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             else:
                 generator = torch.Generator().manual_seed(self.args.seed + 7919 + global_pos // n)
                 index = int(torch.randperm(n, generator=generator)[index])
-            rows += [dict(self.train_dataset[index])] * self.args.num_generations
+            row = dict(self.train_dataset[index])
             self._refill_position += 1
+            scanned += 1
+            # a skipped prompt is passed over; after a whole pass of skips every prompt is taken (all on streaks)
+            if self._prompt_skipper is None or scanned > n or self._prompt_skipper.keep(row):
+                rows += [row] * self.args.num_generations
         return rows
 
     def _finish_batch(self, s: ScoredSamples, mode: str, behaviour_logps: torch.Tensor | None = None) -> RolloutBatch:

@@ -1,0 +1,86 @@
+"""Skipping prompts before generation that will likely score alike again (GRESO, arXiv 2506.02177: "Act Only
+When It Pays"): a prompt whose groups had no reward spread the last ``z`` times it was generated is generated again
+only with probability ``p**z`` (``p``: ``dynamic_sampling_explore_prob``), and skipped otherwise; the first group
+with spread resets its streak. With dynamic sampling, every skipped prompt is one group less generated and then
+dropped; the batch is filled from the refill stream as before. A prompt is never skipped for good: with ``p`` 0.5
+a prompt solved three times in a row still comes back one time in eight, so what is forgotten is seen again.
+
+The paper adapts ``p`` per difficulty to hold a target share of zero-variance groups; here ``p`` is fixed (one
+knob, one meaning). Draws are deterministic in the seed and the number of draws so far, so a resumed run skips what
+the uninterrupted one would (both are checkpointed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from typing import Any
+
+
+def skip_probability(streak: int, explore_prob: float) -> float:
+    """GRESO's skip probability for a prompt whose last ``streak`` groups all scored alike: ``1 - p**streak``
+    (0 for a prompt never generated, or whose last group had reward spread)."""
+    return 1.0 - explore_prob ** max(0, streak)
+
+
+def prompt_key(row: dict) -> str:
+    """A short stable name for a row's prompt (its JSON, hashed): what the streaks are kept under."""
+    text = json.dumps(row.get("prompt"), sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class PromptSkipper:
+    """The zero-variance streak of every prompt generated so far, and the seeded draws that skip them."""
+
+    def __init__(self, explore_prob: float, seed: int):
+        if not 0.0 < explore_prob <= 1.0:
+            raise ValueError(f"explore_prob={explore_prob!r} is not allowed: expected a probability in (0, 1]")
+        self.explore_prob = explore_prob
+        self.seed = seed
+        self.streaks: dict[str, int] = {}
+        self.draws = 0
+        self.considered = 0
+        self.skipped = 0
+
+    def keep(self, row: dict) -> bool:
+        """Whether to generate ``row``'s prompt now (draws only for a prompt on a streak)."""
+        self.considered += 1
+        p_skip = skip_probability(self.streaks.get(prompt_key(row), 0), self.explore_prob)
+        if p_skip <= 0.0:
+            return True
+        u = random.Random(self.seed * 1_000_003 + self.draws).random()
+        self.draws += 1
+        if u < p_skip:
+            self.skipped += 1
+            return False
+        return True
+
+    def keep_groups(self, rows: list[dict], group: int) -> list[dict]:
+        """``rows`` (whole groups of ``group`` rows sharing a prompt) without the groups :meth:`keep` skips."""
+        out: list[dict] = []
+        for i in range(0, len(rows), group):
+            if self.keep(rows[i]):
+                out += rows[i:i + group]
+        return out
+
+    def observe(self, rows: list[dict], group: int, spread: list[bool]) -> None:
+        """Record the groups just generated from ``rows``: ``spread[j]`` is whether group ``j`` had reward spread."""
+        for j, has_spread in enumerate(spread):
+            key = prompt_key(rows[j * group])
+            self.streaks[key] = 0 if has_spread else self.streaks.get(key, 0) + 1
+
+    def take_skipped_frac(self) -> float | None:
+        """The share of prompts skipped since the last call (None when none was considered); resets the counts."""
+        if not self.considered:
+            return None
+        frac = self.skipped / self.considered
+        self.considered = self.skipped = 0
+        return frac
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streaks": dict(self.streaks), "draws": self.draws}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streaks = {str(k): int(v) for k, v in state.get("streaks", {}).items()}
+        self.draws = int(state.get("draws", 0))
