@@ -43,7 +43,7 @@ from .reference import check_sync_ref_model, load_reference, mix_into_reference,
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.base import Generation, SamplingParams, context_length, stop_token_ids
 from .rollout.dynamic_sampling import fill_with_informative_groups, first_round_groups
-from .rollout.prompt_skipping import PromptSkipper
+from .rollout.prompt_skipping import prompt_skipper
 from .rollout.sample import ScoredSamples, sample_and_score
 from .rollout.transformers_backend import TransformersRollout
 from .run_dir import run_signature, save_signature
@@ -148,8 +148,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._pending_reward_metrics: dict[str, list[float]] = defaultdict(list)
         self._refill_position = 0  # dynamic sampling's own stream of prompts
         self._last_keep_rate = None  # dynamic sampling: the share of groups the last batch kept (sizes the next)
-        self._prompt_skipper = (PromptSkipper(args.dynamic_sampling_explore_prob, args.seed + 104729)
-                                if args.dynamic_sampling and args.dynamic_sampling_explore_prob < 1.0 else None)
+        self._prompt_skipper = prompt_skipper(args)  # dynamic sampling's GRESO filter, None when off
         self._weight_average = None  # ema_decay's average of the trained weights, made when training starts
         self._async = None
         if args.max_staleness > 0:
@@ -554,7 +553,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         of its own (a seeded permutation per pass, this process taking every ``world_size``-th entry): other
         processes draw other prompts, and a resumed run draws the same ones (the position is checkpointed). With
         ``shuffle_dataset=False`` the stream walks the dataset in its order (a curriculum stays one), from the
-        prompts after the sampler's first generation batch."""
+        prompts after the sampler's first generation batch. With ``dynamic_sampling_explore_prob`` < 1 the prompts
+        GRESO's filter passes over are skipped (the stream moves on past them)."""
         n, world, rank = len(self.train_dataset), self.args.world_size, self.args.process_index
         rows = []
         scanned = 0

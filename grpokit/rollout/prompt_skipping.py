@@ -84,3 +84,11 @@ class PromptSkipper:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.streaks = {str(k): int(v) for k, v in state.get("streaks", {}).items()}
         self.draws = int(state.get("draws", 0))
+
+
+def prompt_skipper(args) -> PromptSkipper | None:
+    """The filter a config asks for: with ``dynamic_sampling`` and ``dynamic_sampling_explore_prob`` < 1, seeded from
+    ``seed``; else None (every prompt generated)."""
+    if not args.dynamic_sampling or args.dynamic_sampling_explore_prob >= 1.0:
+        return None
+    return PromptSkipper(args.dynamic_sampling_explore_prob, args.seed + 104729)
