@@ -53,8 +53,8 @@ spread (``scale_rewards`` "batch": a group that differs only in the 0.2 format r
 group's advantage, not the same), learning rate 5e-4 after a linear warmup over 10 steps (without it some seeds
 collapse onto one answer in the first steps), sampling at temperature 0.9 among the 50 likeliest tokens, the trained
 weights averaged (``ema_decay`` 0.9: what is evaluated and saved), held-out accuracy every 10 steps (the 128 questions
-generated together); 7-20 s a step on a 2-core CPU with bf16 units. docs/demo.md has the recipe search behind it and
-the measured runs."""
+generated together); 5-20 s a step on a 2-core CPU with bf16 units (5-9 s with AMX). docs/demo.md has the recipe
+search behind it and the measured runs."""
 
 
 def demo_spec(algo: str) -> dict[str, Any]:
