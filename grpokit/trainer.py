@@ -26,7 +26,7 @@ from accelerate.utils import gather_object
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from .algorithms import LossScale, LossSettings, policy_loss
-from .algorithms.advantages import dynamic_sampling_keep, group_advantages, nanstd, overlong_penalty
+from .algorithms.advantages import group_advantages, nanstd, overlong_penalty
 from .algorithms.entropy import AdaptiveEntropyCoef, entropy_bonus
 from .algorithms.importance import sampler_importance_ratio
 from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
@@ -527,19 +527,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         need = len(rows) // g
         if skipper is not None:  # GRESO: prompts on a streak of groups that scored alike, skipped before generating
             rows = skipper.keep_groups(rows, g)
-
-            def score_and_observe(batch_rows: list[dict], score=score) -> ScoredSamples:
-                s = score(batch_rows)
-                skipper.observe(batch_rows, g, dynamic_sampling_keep(s.rewards, g, self.reward_weights.to(
-                    s.rewards.device)).tolist())
-                return s
-
-            score = score_and_observe
         first = score(rows + self._refill_rows(self._first_round_groups(need) - len(rows) // g))
         filled, stats = fill_with_informative_groups(
             first, lambda n: score(self._refill_rows(n)), g, self.reward_weights,
             a.dynamic_sampling_max_rounds, self.processing_class.pad_token_id, any_rank_short,
-            max_round_factor=a.dynamic_sampling_oversample, need=need)
+            max_round_factor=a.dynamic_sampling_oversample, need=need,
+            on_round=None if skipper is None else lambda batch, keep: skipper.observe(batch.prompts, g, keep))
         self._last_keep_rate = stats.keep_rate
         record("dynamic_sampling/filtered_frac", stats.dropped_groups / stats.generated_groups)
         record("dynamic_sampling/rounds", float(stats.rounds))

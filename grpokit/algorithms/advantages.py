@@ -187,6 +187,13 @@ def dynamic_sampling_keep(rewards: torch.Tensor, num_generations: int,
     return ~zero_std_groups(rewards, num_generations)
 
 
+def skip_probability(streak: int, explore_prob: float) -> float:
+    """GRESO's pre-rollout filter (arXiv 2506.02177): a prompt whose last ``z = streak`` groups all scored alike
+    (:func:`dynamic_sampling_keep` False) is skipped before generation with probability ``1 - p^z``
+    (``p = explore_prob``); 0 for a prompt never generated, or whose last group had reward spread."""
+    return 1.0 - explore_prob ** max(0, streak)
+
+
 def overlong_penalty(
     completion_lengths: torch.Tensor,
     max_completion_length: int,

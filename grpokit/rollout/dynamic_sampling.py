@@ -62,6 +62,7 @@ def fill_with_informative_groups(
     any_rank_short: Callable[[bool], bool] | None = None,
     max_round_factor: float = 1.0,
     need: int | None = None,
+    on_round: Callable[[ScoredSamples, list[bool]], None] | None = None,
 ) -> tuple[ScoredSamples, FillStats]:
     """Keep ``first``'s groups with reward spread and add groups from ``sample_more(n_groups)`` (each call generates
     and scores ``n_groups`` fresh prompts × ``num_generations``) until there are ``need`` groups (default: as many as
@@ -70,7 +71,8 @@ def fill_with_informative_groups(
     of groups dropped so far, and at most ``max_round_factor`` times ``need`` (one large round generates faster
     than several small ones; kept groups beyond the batch are discarded). When the rounds run out, dropped groups
     fill the rest (they carry no gradient), so the batch keeps its shape. ``any_rank_short(short)`` (when given)
-    makes every rank run the same rounds."""
+    makes every rank run the same rounds; ``on_round(batch, keep)`` (when given) sees each round's groups and which
+    had spread."""
     g = num_generations
     if len(first) % g:
         raise ValueError(f"dynamic sampling needs whole groups on every process: {len(first)} rows is not a multiple "
@@ -85,6 +87,8 @@ def fill_with_informative_groups(
     while True:
         rounds += 1
         flags = dynamic_sampling_keep(batch.rewards, g, reward_weights.to(batch.rewards.device)).tolist()
+        if on_round is not None:
+            on_round(batch, flags)
         generated += len(flags)
         for j, keep in enumerate(flags):
             group = batch.select(list(range(j * g, (j + 1) * g)))

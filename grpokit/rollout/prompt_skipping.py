@@ -17,16 +17,12 @@ import json
 import random
 from typing import Any
 
-
-def skip_probability(streak: int, explore_prob: float) -> float:
-    """GRESO's skip probability for a prompt whose last ``streak`` groups all scored alike: ``1 - p**streak``
-    (0 for a prompt never generated, or whose last group had reward spread)."""
-    return 1.0 - explore_prob ** max(0, streak)
+from ..algorithms.advantages import skip_probability
 
 
-def prompt_key(row: dict) -> str:
-    """A short stable name for a row's prompt (its JSON, hashed): what the streaks are kept under."""
-    text = json.dumps(row.get("prompt"), sort_keys=True, default=str)
+def prompt_key(prompt: Any) -> str:
+    """A short stable name for a prompt as the dataset holds it (its JSON, hashed): what the streaks are kept under."""
+    text = json.dumps(prompt, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -46,7 +42,7 @@ class PromptSkipper:
     def keep(self, row: dict) -> bool:
         """Whether to generate ``row``'s prompt now (draws only for a prompt on a streak)."""
         self.considered += 1
-        p_skip = skip_probability(self.streaks.get(prompt_key(row), 0), self.explore_prob)
+        p_skip = skip_probability(self.streaks.get(prompt_key(row.get("prompt")), 0), self.explore_prob)
         if p_skip <= 0.0:
             return True
         u = random.Random(self.seed * 1_000_003 + self.draws).random()
@@ -64,10 +60,11 @@ class PromptSkipper:
                 out += rows[i:i + group]
         return out
 
-    def observe(self, rows: list[dict], group: int, spread: list[bool]) -> None:
-        """Record the groups just generated from ``rows``: ``spread[j]`` is whether group ``j`` had reward spread."""
+    def observe(self, prompts: list, group: int, spread: list[bool]) -> None:
+        """Record groups just generated: ``prompts`` one per row (whole groups of ``group``), ``spread[j]`` whether
+        group ``j`` had reward spread."""
         for j, has_spread in enumerate(spread):
-            key = prompt_key(rows[j * group])
+            key = prompt_key(prompts[j * group])
             self.streaks[key] = 0 if has_spread else self.streaks.get(key, 0) + 1
 
     def take_skipped_frac(self) -> float | None:
