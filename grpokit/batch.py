@@ -8,10 +8,14 @@ where the trainer stands in its schedule (``steps_per_generation × num_iteratio
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("grpokit")
 
 
 @dataclass
@@ -87,18 +91,27 @@ class RolloutBuffer:
 
     A generation batch is generated on micro-steps ``0, every, 2·every, ...`` (``every = steps_per_generation ×
     num_iterations``) and its ``steps_per_generation`` micro-batches are served in turn until the next one.
+
+    A checkpoint part (:mod:`grpokit.checkpoint_parts`): when a checkpoint falls inside a generation batch, the
+    micro-batches not consumed yet are saved with it, so a resumed run continues with the very same batches.
     """
+
+    checkpoint_file = "grpokit_rollouts{suffix}.safetensors"
 
     def __init__(self, steps_per_generation: int, generate_every: int):
         self.steps_per_generation = steps_per_generation
         self.generate_every = generate_every
         self.parts: list[RolloutBatch] = []
         self.micro_step = 0
+        self.device: torch.device | str = "cpu"
 
-    def reset(self, micro_step: int) -> None:
-        """Start (or restart after a resume) at ``micro_step`` with nothing buffered."""
+    def reset(self, micro_step: int, device: torch.device | str | None = None) -> None:
+        """Start (or restart after a resume) at ``micro_step`` with nothing buffered; loaded batches go to
+        ``device``."""
         self.parts = []
         self.micro_step = micro_step
+        if device is not None:
+            self.device = device
 
     def needs_generation(self) -> bool:
         return self.micro_step % self.generate_every == 0 or not self.parts
@@ -116,18 +129,27 @@ class RolloutBuffer:
         self.micro_step += 1
         return part
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Tensors (``"<part>/<field>"``) and metadata for a safetensors file."""
-        tensors = {}
+    def state_dict(self) -> dict[str, Any] | None:
+        """Tensors (``"<part>/<field>"``) and the counts, or None on a generation boundary (nothing to save)."""
+        if not self.mid_generation():
+            return None
+        state: dict[str, Any] = {"parts": len(self.parts), "micro_step": self.micro_step}
         for i, part in enumerate(self.parts):
             for key, value in part.tensors().items():
-                tensors[f"{i}/{key}"] = value.detach().to("cpu").clone()  # parts may share a tensor
-        return tensors, {"parts": str(len(self.parts)), "micro_step": str(self.micro_step)}
+                state[f"{i}/{key}"] = value.detach().to("cpu").clone()  # parts may share a tensor
+        return state
 
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any],
-                        device: torch.device | str) -> None:
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(int(metadata.get("parts", "0")))]
-        for name, value in tensors.items():
-            i, key = name.split("/", 1)
-            parts[int(i)][key] = value.to(device)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.micro_step % self.generate_every == 0:
+            return  # resumed on a generation boundary: the next batch is generated
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(int(state.get("parts", 0)))]
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                i, key = name.split("/", 1)
+                parts[int(i)][key] = value.to(self.device)
         self.parts = [RolloutBatch.from_tensors(p) for p in parts]
+
+    def missing_from_checkpoint(self, path: str) -> None:
+        if self.micro_step % self.generate_every != 0:
+            logger.warning("checkpoint %s falls inside a generation batch and holds no saved rollouts: that batch is "
+                           "generated again, so the resumed run is not step-for-step identical", os.path.dirname(path))

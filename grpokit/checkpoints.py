@@ -15,8 +15,9 @@ SIGINT / SIGTERM.
   ``KeyboardInterrupt``; SIGTERM gets its previous handler, by default the process ends).
 * **Exact resume.** Checkpoints land on optimizer-step boundaries. When that boundary is inside a generation
   batch (``steps_per_generation > gradient_accumulation_steps`` or ``num_iterations > 1``) the not-yet-consumed
-  rollouts are saved too (``grpokit_rollouts.safetensors``), so a resumed run continues with the very same
-  batches; transformers restores the sampler position and the RNG states (python, numpy, torch) that sampling uses.
+  rollouts are saved too (``grpokit_rollouts.safetensors``, one of the trainer's checkpoint parts:
+  grpokit/checkpoint_parts.py), so a resumed run continues with the very same batches; transformers restores the
+  sampler position and the RNG states (python, numpy, torch) that sampling uses.
 
 Loading stays safe: weights are safetensors; the small ``torch.save`` files transformers writes (optimizer,
 scheduler, RNG state) are read back by transformers 5 with ``torch.load(..., weights_only=True)``.
@@ -34,7 +35,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .batch import RolloutBuffer
 from .callbacks.interrupt import GracefulInterrupt
 from .file_checks import check_json as _check_json
 from .file_checks import check_safetensors as _check_safetensors
@@ -51,7 +51,6 @@ from .run_dir import (
 logger = logging.getLogger("grpokit")
 
 _PARTIAL_RE = re.compile(r"^checkpoint-\d+\.(tmp|old)-(\w+)$")
-ROLLOUTS_FILE = "grpokit_rollouts.safetensors"
 _INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint sentinel
 _TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 
@@ -173,40 +172,6 @@ def remove_partial_checkpoints(run_dir: str | os.PathLike) -> list[str]:
 
 
 # -- the rollouts of a generation batch that straddles a checkpoint ----------------------------------------------
-def rollouts_file(directory: str | os.PathLike, process_index: int = 0, world_size: int = 1) -> str:
-    name = ROLLOUTS_FILE if world_size <= 1 else ROLLOUTS_FILE.replace(".safetensors", f"_{process_index}.safetensors")
-    return os.path.join(directory, name)
-
-
-def save_rollout_buffer(buffer: RolloutBuffer, directory: str, process_index: int = 0, world_size: int = 1) -> None:
-    """Save the micro-batches not consumed yet when the checkpoint falls inside a generation batch."""
-    if not buffer.mid_generation():
-        return
-    from safetensors.torch import save_file
-
-    tensors, metadata = buffer.state_dict()
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, rollouts_file(directory, process_index, world_size), metadata=metadata)
-
-
-def load_rollout_buffer(buffer: RolloutBuffer, checkpoint: str, device, process_index: int = 0,
-                        world_size: int = 1) -> bool:
-    """Restore the saved micro-batches of a checkpoint taken inside a generation batch; False when the checkpoint
-    is on a generation boundary (nothing to restore) or has no saved rollouts (the batch is regenerated)."""
-    if buffer.micro_step % buffer.generate_every == 0:
-        return False
-    path = rollouts_file(checkpoint, process_index, world_size)
-    if not os.path.isfile(path):
-        logger.warning("checkpoint %s falls inside a generation batch and holds no saved rollouts: that batch is "
-                       "generated again, so the resumed run is not step-for-step identical", checkpoint)
-        return False
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt", device="cpu") as f:
-        buffer.load_state_dict({name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}, device)
-    return True
-
-
 # -- loading ----------------------------------------------------------------------------------------------------
 @contextmanager
 def _loading(what: str, checkpoint, files: str = "") -> Iterator[None]:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import transformers
 
-from .algorithms.advantages import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from .algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS
+from .algorithms.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from .algorithms.aggregation import TOKEN_SUMMED
 from .algorithms.importance import IMPORTANCE_SAMPLING_LEVELS, SAMPLER_CORRECTION_MODES
 from .algorithms.losses import LOSS_TYPES, config_params, loss_spec
@@ -228,7 +229,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
 
     # grpokit additions
     advantage_estimator: str = field(default="grpo", metadata=_meta(
-        "grpo (group-normalised) | rloo | reinforce_plus_plus (the batch's mean and spread, groups ignored)."))
+        "grpo (group-normalised) | rloo | reinforce_plus_plus (the batch's mean and spread, groups ignored); more "
+        "with grpokit.algorithms.register_advantage_estimator."))
     overlong_buffer_length: int | None = field(
         default=None, metadata=_meta("DAPO overlong shaping: penalise completions in the last N tokens.")
     )

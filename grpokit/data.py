@@ -1,15 +1,12 @@
-"""Prompt data for the trainer: the group-repeating sampler and prompt tokenisation.
-
-No math here: only which prompt rows are visited in which order, and how prompts become token ids.
+"""Prompt data for the trainer: dataset checks and prompt tokenisation (which prompts are visited in which order is
+:mod:`grpokit.pipeline.prompts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
 
 CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
                  "environments")
@@ -25,83 +22,6 @@ def check_prompt_count(num_prompts: int, prompts_per_batch: int, how: str = "gen
             f"train_dataset has {num_prompts} prompts, fewer than the {prompts_per_batch} prompts of one generation "
             f"batch ({how}); add prompts or lower per_device_train_batch_size"
         )
-
-
-class GroupRepeatSampler(Sampler[int]):
-    """Yields dataset indices so that each dataloader batch is one generation batch.
-
-    Per generation batch it draws ``prompts_per_batch`` distinct prompts, repeats each index ``num_generations``
-    times consecutively (one row per completion, the group contiguous), and repeats the whole block ``repeats``
-    times (``steps_per_generation × num_iterations``: one dataloader batch per training micro-step; the
-    trainer generates on the first and reuses the rollouts on the others). Shuffled per epoch with
-    ``seed + epoch``, so a resumed run replays the same order. An incomplete last block is dropped.
-    """
-
-    def __init__(
-        self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int = 1,
-        shuffle: bool = True, seed: int = 0,
-    ):
-        check_prompt_count(num_prompts, prompts_per_batch)
-        self.num_prompts = num_prompts
-        self.num_generations = num_generations
-        self.prompts_per_batch = prompts_per_batch
-        self.repeats = repeats
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_prompts, generator=gen).tolist()
-        else:
-            order = list(range(self.num_prompts))
-        p = self.prompts_per_batch
-        for b in range(self.num_prompts // p):
-            block = [i for i in order[b * p:(b + 1) * p] for _ in range(self.num_generations)]
-            for _ in range(self.repeats):
-                yield from block
-
-    def __len__(self) -> int:
-        return (self.num_prompts // self.prompts_per_batch) * self.prompts_per_batch * self.num_generations * self.repeats
-
-
-class GroupRepeatIterable(torch.utils.data.IterableDataset):
-    """:class:`GroupRepeatSampler`'s order for a dataset read as a stream (an ``IterableDataset``, no ``len()``):
-    each block of ``prompts_per_batch`` rows is yielded with every row ``num_generations`` times consecutively, the
-    whole block ``repeats`` times; a trailing partial block is dropped. ``shuffle`` uses the stream's own buffered
-    ``shuffle(seed=seed + epoch)`` when it has one (🤗 datasets). Under several processes accelerate gives each
-    process its slice of every block, as it does with the sampler's batches."""
-
-    def __init__(self, dataset, num_generations: int, prompts_per_batch: int, repeats: int = 1, shuffle: bool = True,
-                 seed: int = 0):
-        self.dataset = dataset
-        self.num_generations = num_generations
-        self.prompts_per_batch = prompts_per_batch
-        self.repeats = repeats
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[dict]:
-        stream = self.dataset
-        if self.shuffle and hasattr(stream, "shuffle"):
-            stream = stream.shuffle(seed=self.seed + self.epoch)
-        block: list[dict] = []
-        for row in stream:
-            block.append(row)
-            if len(block) == self.prompts_per_batch:
-                for _ in range(self.repeats):
-                    for r in block:
-                        for _ in range(self.num_generations):
-                            yield dict(r)
-                block = []
 
 
 def is_iterable_dataset(dataset) -> bool:

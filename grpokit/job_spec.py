@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import difflib
-import importlib.metadata
 import math
 from typing import Any
 
@@ -50,29 +49,13 @@ class TrainingInterrupted(Exception):
         super().__init__(f"interrupted by {self.signal_name} at step {step}; checkpoint: {checkpoint}")
 
 
-def config_field_names() -> frozenset[str]:
-    """Every ``GRPOConfig`` field a config may set: from the list written for the installed transformers version
-    (:mod:`grpokit.config_fields`, no import of transformers), else from ``GRPOConfig`` itself."""
-    from . import config_fields
-
-    try:
-        installed = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        installed = None
-    if installed == config_fields.TRANSFORMERS_VERSION:
-        return config_fields.FIELDS | config_fields.loss_param_fields()
-    import dataclasses
-
-    from .config import GRPOConfig
-
-    return frozenset(f.name for f in dataclasses.fields(GRPOConfig) if f.init)
-
-
 def split_spec(spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Separate the job's keys from ``GRPOConfig`` fields (values unchecked), rejecting unknown keys with a
     suggestion, and check the job's own keys (:func:`check_job_keys`)."""
     if not isinstance(spec, dict):
         raise JobError(f"the config must be a mapping of field: value, got {type(spec).__name__}")
+    from .config_names import config_field_names
+
     fields = config_field_names()
     job, cfg = {}, {}
     for key, value in spec.items():

@@ -11,8 +11,6 @@ Every ``ref_model_sync_steps`` optimizer steps::
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .algorithms.averaging import mix_
@@ -45,28 +43,23 @@ def check_sync_ref_model(args, peft: bool, sharding: str | None) -> None:
                          "process, or sync_ref_model=False")
 
 
-def save_reference(reference: torch.nn.Module, directory: str) -> None:
-    """The reference's parameters (tied ones once) into ``directory``."""
-    from safetensors.torch import save
+class ReferenceWeights:
+    """``sync_ref_model``'s reference as a checkpoint part (grpokit/checkpoint_parts.py): its parameters (tied ones
+    once), which drift from the initial policy as it is synced."""
 
-    from .files import atomic_write_bytes
+    checkpoint_file = REFERENCE_FILE
 
-    state = {name: p.detach().contiguous().cpu() for name, p in reference.named_parameters()}
-    atomic_write_bytes(os.path.join(directory, REFERENCE_FILE), save(state))
+    def __init__(self, reference: torch.nn.Module):
+        self.reference = reference
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.reference.named_parameters())
 
-def load_reference(reference: torch.nn.Module, checkpoint: str) -> bool:
-    """The reference's weights from ``checkpoint`` when it holds them; returns whether it did."""
-    path = os.path.join(checkpoint, REFERENCE_FILE)
-    if not os.path.isfile(path):
-        return False
-    from safetensors.torch import load_file
-
-    saved = load_file(path, device=str(next(reference.parameters()).device))
-    params = dict(reference.named_parameters())
-    if set(saved) != set(params):
-        raise ValueError(f"{path} does not hold this reference model's parameters (different model?)")
-    with torch.no_grad():
-        for name, value in saved.items():
-            params[name].copy_(value)
-    return True
+    def load_state_dict(self, state: dict) -> None:
+        saved = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        params = dict(self.reference.named_parameters())
+        if set(saved) != set(params):
+            raise ValueError("it does not hold this reference model's parameters (different model?)")
+        with torch.no_grad():
+            for name, value in saved.items():
+                params[name].copy_(value)

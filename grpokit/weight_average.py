@@ -12,9 +12,9 @@ during training measure it. It smooths the step-to-step swings of a policy train
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -59,32 +59,32 @@ class WeightAverage:
                 for name, p in self.params.items():
                     p.copy_(saved[name])
 
-    def save(self, directory: str | os.PathLike) -> None:
-        """The average and its update count into ``directory`` (atomically)."""
-        from safetensors.torch import save
+    # -- a checkpoint part (grpokit/checkpoint_parts.py) ------------------------------------------------------------
+    checkpoint_file = WEIGHT_AVERAGE_FILE
 
-        from .files import atomic_write_bytes
+    def state_dict(self) -> dict[str, Any]:
+        """The average, its update count and decay."""
+        return {**{name: a for name, a in self.average.items()}, _UPDATES_KEY: self.updates, "decay": self.decay}
 
-        state = {name: a.contiguous().cpu() for name, a in self.average.items()}
-        atomic_write_bytes(os.path.join(directory, WEIGHT_AVERAGE_FILE),
-                           save(state, metadata={_UPDATES_KEY: str(self.updates), "decay": repr(self.decay)}))
-
-    def load(self, checkpoint: str | os.PathLike) -> bool:
-        """The average saved in ``checkpoint``, when it holds one; returns whether it did. A file that holds other
-        parameters (another model or adapter) is refused with its path."""
-        path = os.path.join(checkpoint, WEIGHT_AVERAGE_FILE)
-        if not os.path.isfile(path):
-            return False
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            names = set(f.keys())
-            if names != set(self.average):
-                raise ValueError(f"{path} does not hold this model's trained parameters (another model or adapter?)")
-            updates = int((f.metadata() or {}).get(_UPDATES_KEY, 0))
-            loaded = {name: f.get_tensor(name) for name in names}
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A saved average; one of other parameters (another model or adapter) is refused."""
+        loaded = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        if set(loaded) != set(self.average):
+            raise ValueError("it does not hold this model's trained parameters (another model or adapter?)")
         with torch.no_grad():
             for name, value in loaded.items():
                 self.average[name].copy_(value)
-        self.updates = updates
-        return True
+        self.updates = int(state.get(_UPDATES_KEY, 0))
+
+
+def start_weight_average(decay: float | None, model: torch.nn.Module, sharding: str | None) -> WeightAverage | None:
+    """``ema_decay``'s average of ``model`` (unwrapped), starting from its weights as they are (a resume then loads
+    the saved one); None without ``ema_decay``. Not under FSDP / ZeRO-3 (``sharding``), where each process holds only
+    a shard of the weights."""
+    if decay is None:
+        return None
+    if sharding is not None:
+        name = "FSDP" if sharding.startswith("fsdp") else "DeepSpeed ZeRO-3"
+        raise ValueError(f"ema_decay={decay!r} is not supported with {name} yet (each process holds only a shard of "
+                         "the weights); use DDP or ZeRO-1/2, or leave ema_decay at None")
+    return WeightAverage(model, decay)

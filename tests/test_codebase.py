@@ -140,3 +140,51 @@ def test_make_installs_torch_first_for_the_demo_and_the_tests():
         pips = [line for line in out.stdout.splitlines() if "pip install" in line]
         assert "torch==" in pips[0]
         assert any('".[test]"' in line for line in pips) == wants_test_extra
+
+
+MAX_TRAINER_METHODS = 30
+MAX_TRAINER_LINES = 500
+
+
+def test_the_trainer_is_glue():
+    """GRPOTrainer orchestrates (transformers.Trainer glue); the rollout side lives in grpokit/pipeline/, setup in
+    grpokit/trainer_setup.py."""
+    path = PACKAGE / "trainer.py"
+    lines = len(path.read_text().splitlines())
+    tree = ast.parse(path.read_text())
+    trainer = next(c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "GRPOTrainer")
+    methods = [n.name for n in trainer.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(methods) <= MAX_TRAINER_METHODS, f"GRPOTrainer has {len(methods)} methods: {methods}"
+    assert lines <= MAX_TRAINER_LINES, f"grpokit/trainer.py has {lines} lines"
+
+
+def _trainer_private_names() -> set[str]:
+    """Every private name a GRPOTrainer has: its methods (transformers.Trainer's included) and its attributes."""
+    from grpokit.trainer import GRPOTrainer
+
+    names = {n for n in dir(GRPOTrainer) if n.startswith("_") and not n.startswith("__")}
+    for node in ast.walk(ast.parse((PACKAGE / "trainer.py").read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            names.add(node.attr)
+    return names
+
+
+def test_nothing_outside_the_trainer_touches_its_private_members():
+    """Code and tests use the trainer's public parts (``trainer.pipeline``, ``trainer.driver``, ...): an attribute
+    access ``x._name`` anywhere but grpokit/trainer.py, where ``_name`` is private to GRPOTrainer, is a failure (an
+    object's own ``self._name`` and ``super()._name`` are its business)."""
+    private = _trainer_private_names()
+    found = []
+    files = [*(ROOT / "tests").rglob("*.py"), *(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "trainer.py")]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or node.attr not in private:
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "reaching into GRPOTrainer's private members: " + ", ".join(found)

@@ -4,12 +4,18 @@
 - :mod:`.settings`: :class:`LossSettings`, the objective of a run; :mod:`.aggregation`: :class:`LossScale` and the
   normalisers; :mod:`.policy`: :func:`policy_loss`, the entry point;
 - :mod:`.importance`, :mod:`.masks`, :mod:`.kl`, :mod:`.entropy`, :mod:`.masked`: the pieces ``policy_loss`` uses;
-- :mod:`.advantages`: group-relative advantages, RLOO, dynamic sampling, overlong shaping.
+- :mod:`.advantages`: group-relative advantages, dynamic sampling, overlong shaping; :mod:`.advantage_estimators`: the
+  estimators (GRPO, RLOO, REINFORCE++) in a registry.
 - :mod:`.averaging`: moving averages of weights (the reference's soft update, ``ema_decay``).
 """
 
-from .advantages import (
+from .advantage_estimators import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
+from .advantages import (
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_REWARDS,
     AdvantageResult,
@@ -35,9 +41,10 @@ from .settings import LossSettings, resolve_epsilon_high
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "IMPORTANCE_SAMPLING_LEVELS", "LOSSES", "LOSS_TYPES",
-    "MULTI_OBJECTIVE_AGGREGATIONS", "SAMPLER_CORRECTION_MODES", "SCALE_REWARDS", "AdvantageResult", "LossContext",
-    "LossScale", "LossSettings", "LossSpec", "PolicyLossOutput", "aggregate_loss", "compute_advantages",
-    "dynamic_sampling_keep", "group_advantages", "high_entropy_mask", "k3_kl", "log_importance_weights", "loss_spec",
-    "off_policy_sequence_mask", "overlong_penalty", "param", "policy_loss", "recipes", "register_loss",
-    "resolve_epsilon_high", "sampler_importance_ratio", "token_log_ratio", "vespo_weights", "zero_std_groups",
+    "MULTI_OBJECTIVE_AGGREGATIONS", "SAMPLER_CORRECTION_MODES", "SCALE_REWARDS", "AdvantageEstimator", "AdvantageResult",
+    "LossContext", "LossScale", "LossSettings", "LossSpec", "PolicyLossOutput", "aggregate_loss", "compute_advantages",
+    "dynamic_sampling_keep", "get_advantage_estimator", "group_advantages", "high_entropy_mask", "k3_kl",
+    "log_importance_weights", "loss_spec", "off_policy_sequence_mask", "overlong_penalty", "param", "policy_loss",
+    "recipes", "register_advantage_estimator", "register_loss", "resolve_epsilon_high", "sampler_importance_ratio",
+    "token_log_ratio", "vespo_weights", "zero_std_groups",
 ]

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .advantage_estimators import STD_EPS, get_advantage_estimator
+from .masked import nanstd  # noqa: F401 - where the trainer and older code import it from
+
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
-STD_EPS = 1e-4
 ZERO_STD_RTOL = 1e-6
 
 
@@ -27,17 +28,6 @@ def normalize_scale_rewards(scale_rewards: str | bool) -> str:
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} is not supported; allowed: {', '.join(SCALE_REWARDS)}, True, False")
     return scale_rewards
-
-
-def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Unbiased standard deviation ignoring NaNs (NaN where fewer than two values are valid)."""
-    if dim is None:
-        x, dim = x.reshape(-1), 0
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True).to(x.dtype)
-    var = torch.nansum((x - mean) ** 2, dim=dim, keepdim=True) / (count - 1)
-    std = torch.sqrt(var)
-    return std if keepdim else std.squeeze(dim)
 
 
 def _nan_range(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -91,10 +81,7 @@ def group_advantages(
             f"multi_objective_aggregation={multi_objective_aggregation!r} is not supported; "
             f"allowed: {', '.join(MULTI_OBJECTIVE_AGGREGATIONS)}"
         )
-    if advantage_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"advantage_estimator={advantage_estimator!r} is not supported; allowed: {', '.join(ADVANTAGE_ESTIMATORS)}"
-        )
+    estimator = get_advantage_estimator(advantage_estimator)
     rewards = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
     weights = torch.ones(k, dtype=rewards.dtype, device=rewards.device) if reward_weights is None else (
         torch.as_tensor(reward_weights, dtype=rewards.dtype, device=rewards.device)
@@ -105,7 +92,6 @@ def group_advantages(
     weighted = (rewards * weights).nansum(-1)
     weighted[unscorable] = torch.nan
     g = num_generations
-    whole_batch = advantage_estimator == "reinforce_plus_plus"  # the baseline and spread of the whole batch
 
     if multi_objective_aggregation == "normalize_then_sum":
         grouped = rewards.view(-1, g, k)
@@ -119,25 +105,10 @@ def group_advantages(
         adv = (total - torch.nanmean(total)) / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
     else:
         total = weighted
-        grouped = total.view(-1, g)
         zero = zero_std_groups(total, g).repeat_interleave(g)
-        if advantage_estimator == "rloo":
-            valid = (~torch.isnan(grouped)).to(total.dtype)
-            count = valid.sum(1, keepdim=True)
-            others = (torch.nansum(grouped, 1, keepdim=True) - torch.nan_to_num(grouped, nan=0.0)) / (count - 1).clamp(min=1.0)
-            adv = (grouped - others).view(-1)
-            adv = torch.where((count < 2).repeat_interleave(g, 1).view(-1), torch.zeros_like(adv), adv)
-        else:  # R minus a baseline: the group's mean (grpo), or the whole batch's (reinforce_plus_plus)
-            baseline = torch.nanmean(total) if whole_batch else torch.nanmean(grouped, dim=1, keepdim=True)
-            adv = (grouped - baseline).view(-1)
-            if scale == "group" and not whole_batch:
-                std = nanstd(grouped, dim=1, keepdim=True).expand(-1, g).reshape(-1)
-                adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
-            elif scale != "none":  # "batch", and "group" when there are no groups
-                std = nanstd(total) if n > 1 else total.new_zeros(())
-                adv = adv / (torch.nan_to_num(std, nan=0.0) + STD_EPS)
+        adv = estimator.advantages(total, g, scale)
 
-    tied = torch.zeros_like(zero) if whole_batch else zero  # tied: no signal against its own mean, some against the batch
+    tied = torch.zeros_like(zero) if estimator.ties_teach else zero  # no signal against its own mean, some against others
     adv = torch.where(tied | unscorable, torch.zeros_like(adv), adv)
     adv = torch.nan_to_num(adv, nan=0.0)
     return AdvantageResult(advantages=adv, rewards=total, weighted=weighted, zero_std=zero)

@@ -74,6 +74,6 @@ class GracefulInterrupt(TrainerCallback):
         if self.received is not None:
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-            self.trainer.interrupt_checkpoint = os.path.join(self.trainer._get_output_dir(None),
+            self.trainer.interrupt_checkpoint = os.path.join(args.output_dir,
                                                              f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         return control

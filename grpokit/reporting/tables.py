@@ -81,3 +81,28 @@ def completions_frame(step: int, prompts: Sequence[Any], completions: Sequence[A
     table["advantage"] = _seq(advantages)
     frame = pd.DataFrame(table)
     return frame[~frame["prompt"].duplicated()] if unique_prompts else frame
+
+
+def log_completions(samples: dict[str, Any], step: int, output_dir: str, *, max_rows: int, unique_prompts: bool,
+                    report_to: Sequence[str]) -> None:
+    """A batch's completions (:attr:`grpokit.pipeline.RolloutStats.samples`) as TRL logs them: a table in the terminal,
+    ``output_dir/completions/completions_<step>.parquet``, and a ``completions`` table to wandb when it is a reporting
+    target (one row per prompt with ``unique_prompts``)."""
+    import io
+    import os
+
+    from ..files import atomic_write_bytes
+
+    s = samples
+    log_completions_table(s["prompt"], s["completion"], s["rewards"], s["advantage"], step, max_rows=max_rows,
+                          extra=s["extra"])
+    frame = completions_frame(step, s["prompt"], s["completion"], s["rewards"], s["advantage"], s["extra"],
+                              unique_prompts=unique_prompts)
+    buffer = io.BytesIO()
+    frame.to_parquet(buffer)
+    atomic_write_bytes(os.path.join(output_dir, "completions", f"completions_{step:05d}.parquet"), buffer.getvalue())
+    if "wandb" in (report_to or []):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.log({"completions": wandb.Table(dataframe=frame)})

@@ -222,3 +222,31 @@ def test_dynamic_sampling_keep_uses_the_reward_weights():
     # weights (1, 2): totals 1, 2 (spread) | 1, 0 (spread); weights (1, 1): 1, 1 (tied) | 1, 0
     assert dynamic_sampling_keep(two, 2, reward_weights=[1.0, 2.0]).tolist() == [True, True]
     assert dynamic_sampling_keep(two, 2, reward_weights=[1.0, 1.0]).tolist() == [False, True]
+
+
+def test_estimators_come_from_a_registry_and_one_registered_later_is_a_choice():
+    from grpokit.algorithms import (
+        ADVANTAGE_ESTIMATORS,
+        AdvantageEstimator,
+        get_advantage_estimator,
+        register_advantage_estimator,
+    )
+    from grpokit.algorithms.advantage_estimators import ADVANTAGE_ESTIMATOR_REGISTRY
+    from grpokit.config import GRPOConfig
+
+    assert tuple(ADVANTAGE_ESTIMATORS) == ("grpo", "rloo", "reinforce_plus_plus")
+    with pytest.raises(ValueError, match="advantage_estimator='median' is not supported; allowed: grpo, rloo"):
+        get_advantage_estimator("median")
+    spec = AdvantageEstimator("median_baseline", "R - median of the group", "a test",
+                              lambda total, g, scale: (total.view(-1, g) - total.view(-1, g).median(1, True).values)
+                              .view(-1))
+    register_advantage_estimator(spec)
+    try:
+        assert "median_baseline" in ADVANTAGE_ESTIMATORS
+        GRPOConfig(output_dir="/tmp/adv", advantage_estimator="median_baseline")  # a valid choice now
+        R = [1.0, 2.0, 6.0, 0.0, 0.0, 0.0]  # the second group is tied: 0 (ties_teach is False)
+        assert compute_advantages(col(R), 3, advantage_estimator="median_baseline").tolist() == [-1.0, 0.0, 4.0, 0, 0, 0]
+        with pytest.raises(ValueError, match="an advantage estimator named 'rloo' is already registered"):
+            register_advantage_estimator(AdvantageEstimator("rloo", "", "", spec.advantages))
+    finally:
+        del ADVANTAGE_ESTIMATOR_REGISTRY["median_baseline"]

@@ -194,17 +194,19 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
                                  rollout_backend=None if real_rollout or fake_server else GlobalRowRollout(tok),
                                  peft_config=peft_config)
         advantages, completions = [], []
-        original = trainer._generate_and_score
 
-        def recording(rows, mode, trainer=trainer, original=original, advantages=advantages, completions=completions):
-            # the same stream in every run, a resumed one included: seeded by rank and step
-            torch.manual_seed(1234 + 100 * rank_and_world()[0] + trainer.state.global_step)
-            batch = original(rows, mode)
-            advantages.append(batch.advantages.detach().clone())
-            completions.append((batch.completion_ids * batch.completion_mask).detach().clone())
-            return batch
+        def recording(original, trainer=trainer, advantages=advantages, completions=completions):
+            def run(rows, driver):
+                # the same stream in every run, a resumed one included: seeded by rank and step
+                torch.manual_seed(1234 + 100 * rank_and_world()[0] + trainer.state.global_step)
+                batch, stats = original(rows, driver)
+                advantages.append(batch.advantages.detach().clone())
+                completions.append((batch.completion_ids * batch.completion_mask).detach().clone())
+                return batch, stats
+            return run
 
-        trainer._generate_and_score = recording
+        trainer.pipeline.next_batch = recording(trainer.pipeline.next_batch)
+        trainer.pipeline.evaluation_batch = recording(trainer.pipeline.evaluation_batch)
         trainer.train(resume_from_checkpoint=resume)
         rank, _ = rank_and_world()
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)

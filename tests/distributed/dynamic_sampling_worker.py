@@ -31,18 +31,18 @@ def main(out: str) -> None:
                       dynamic_sampling=True, dynamic_sampling_max_rounds=10)
     trainer = GRPOTrainer(tiny_model(tok), reward, args=args, train_dataset=ds, processing_class=tok)
     seen = []
-    finish = trainer._finish_batch
+    finish = trainer.pipeline.finish
 
-    def record(s, mode):
+    def record(s, stats, driver, mode="train", behaviour_logps=None):
         seen.append({"prompts": [p[0]["content"] for p in s.prompts], "rewards": s.rewards.clone()})
-        batch = finish(s, mode)
+        batch, stats = finish(s, stats, driver, mode, behaviour_logps)
         seen[-1]["advantages"] = batch.advantages.clone()
-        return batch
+        return batch, stats
 
-    trainer._finish_batch = record
+    trainer.pipeline.finish = record
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    torch.save({"seen": seen, "logs": logs, "refill_position": trainer._refill_position},
+    torch.save({"seen": seen, "logs": logs, "refill_position": trainer.pipeline.filter.refill_position},
                os.path.join(out, f"rank{trainer.args.process_index}.pt"))
 
 

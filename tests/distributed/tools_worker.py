@@ -34,14 +34,14 @@ def main(out: str) -> None:
     trainer = GRPOTrainer(tiny_model(tok, max_positions=2048), used_tool, args=args, train_dataset=ds,
                           processing_class=tok, tools=[add], environment_factory=Counter, rollout_backend=backend)
     seen = []
-    finish = trainer._finish_batch
+    finish = trainer.pipeline.finish
 
-    def record(s, mode):
+    def record(s, stats, driver, mode="train", behaviour_logps=None):
         seen.append({"prompts": [p[0]["content"] for p in s.prompts], "rewards": s.rewards.clone(),
                      "environments": [id(e) for e in trainer.multiturn.environments.pool[None]]})
-        return finish(s, mode)
+        return finish(s, stats, driver, mode, behaviour_logps)
 
-    trainer._finish_batch = record
+    trainer.pipeline.finish = record
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

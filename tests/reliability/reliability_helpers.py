@@ -5,50 +5,44 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-from datasets import Dataset
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: tiny.py
 
+from runs import chat_dataset, varied_reward  # noqa: E402
+from runs import run_args as make_args  # noqa: E402
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-from grpokit.config import GRPOConfig  # noqa: E402
 
-
-def chat_dataset(n: int = 16) -> Dataset:
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(n)],
-        "answer": [str(2 * i) for i in range(n)],
-    })
-
-
-def varied_reward(completions, **kw):
-    """Distinct characters of the reply: spread within every group of random completions."""
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [len(set(t)) / 8.0 for t in texts]
-
-
-def make_args(out, **kw) -> GRPOConfig:
-    base = dict(
-        output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        max_steps=2, logging_steps=1, report_to="none", gradient_checkpointing=False, learning_rate=1e-2,
-        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-    )
-    base.update(kw)
-    return GRPOConfig(**base)
-
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def make_trainer(out, reward=varied_reward, dataset=None, model_seed: int = 0, rollout_backend=None, **kw):
+def make_trainer(out, reward=varied_reward, dataset=None, model_seed: int = 0, rollout_backend=None, *,
+                 extra_part=None, **kw):
+    """A trainer on the tiny model; ``extra_part``: one more checkpoint part (grpokit/checkpoint_parts.py), added the
+    way a subclass adds one, e.g. to fail or stall inside a save."""
     from grpokit.trainer import GRPOTrainer
+
+    class Trainer(GRPOTrainer):
+        def checkpoint_parts(self):
+            return super().checkpoint_parts() + ([extra_part] if extra_part is not None else [])
 
     tok = tiny_tokenizer()
     model = tiny_model(tok, seed=model_seed)
-    return GRPOTrainer(model, reward, args=make_args(out, **kw), train_dataset=dataset or chat_dataset(),
-                       processing_class=tok, rollout_backend=rollout_backend)
+    return Trainer(model, reward, args=make_args(out, **kw), train_dataset=dataset or chat_dataset(),
+                   processing_class=tok, rollout_backend=rollout_backend)
+
+
+class FaultyPart:
+    """A checkpoint part whose save runs ``fault()`` (raise, stall) at the steps ``when(step)`` says."""
+
+    checkpoint_file = "fault_injection.json"
+
+    def __init__(self, fault, when):
+        self.fault, self.when, self.trainer = fault, when, None
+
+    def state_dict(self):
+        if self.trainer is not None and self.when(self.trainer.state.global_step):
+            self.fault()
+        return {"saved": True}
+
+    def load_state_dict(self, state):
+        pass
 
 
 class LoadGuard:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 from hang import HANG_S
-from reliability_helpers import LoadGuard, make_trainer
+from reliability_helpers import FaultyPart, LoadGuard, make_trainer
 
 from grpokit.checkpoints import resolve_resume, verify_checkpoint
 from grpokit.cli import main
@@ -49,19 +49,16 @@ def test_checkpoints_are_complete_and_safetensors(run_dir):
     assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
-def test_a_failure_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_a_failure_mid_write_leaves_the_previous_checkpoint(tmp_path):
     """An exception inside the save: the staging directory is removed and checkpoint-1 stays the latest. What a real
     kill leaves behind (a ``checkpoint-2.tmp-<pid>`` directory, see the SIGKILL test below) is never resumed from
     and is cleared by the next save."""
-    trainer = make_trainer(tmp_path / "out", max_steps=2, save_strategy="steps", save_steps=1)
-    original = trainer._save_rng_state
+    def die():
+        raise SystemExit("killed while writing")
 
-    def dies_on_step_2(output_dir):
-        if trainer.state.global_step == 2:
-            raise SystemExit("killed while writing")
-        original(output_dir)
-
-    monkeypatch.setattr(trainer, "_save_rng_state", dies_on_step_2)
+    dies_on_step_2 = FaultyPart(die, when=lambda step: step == 2)
+    trainer = make_trainer(tmp_path / "out", max_steps=2, save_strategy="steps", save_steps=1, extra_part=dies_on_step_2)
+    dies_on_step_2.trainer = trainer
     with pytest.raises(SystemExit):
         trainer.train()
     out = tmp_path / "out"
@@ -89,15 +86,14 @@ def test_sigkill_during_a_save_in_a_child_process(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]
-        from reliability_helpers import make_trainer
-        trainer = make_trainer({str(out)!r}, max_steps=3, save_strategy="steps", save_steps=1)
-        original = trainer._save_optimizer_and_scheduler
-        def slow(output_dir):
-            original(output_dir)
-            if trainer.state.global_step == 2:
-                print("WRITING", flush=True)
-                time.sleep(60)
-        trainer._save_optimizer_and_scheduler = slow
+        from reliability_helpers import FaultyPart, make_trainer
+        def stall():
+            print("WRITING", flush=True)
+            time.sleep(60)
+        stalls_on_step_2 = FaultyPart(stall, when=lambda step: step == 2)
+        trainer = make_trainer({str(out)!r}, max_steps=3, save_strategy="steps", save_steps=1,
+                               extra_part=stalls_on_step_2)
+        stalls_on_step_2.trainer = trainer
         trainer.train()
     """))
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -141,7 +137,7 @@ def test_saving_the_same_step_twice_replaces_it(tmp_path):
     trainer.train()
     first = (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").stat().st_mtime_ns
     time.sleep(0.01)
-    trainer._save_checkpoint(trainer.model, None)
+    trainer.save_checkpoint()
     assert (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").stat().st_mtime_ns > first
     assert verify_checkpoint(tmp_path / "out" / "checkpoint-1") == 1
     assert not [p for p in (tmp_path / "out").iterdir() if ".old-" in p.name or ".tmp-" in p.name]

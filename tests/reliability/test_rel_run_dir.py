@@ -10,12 +10,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import transformers
+import torch
 import yaml
 from hang import HANG_S
 from reliability_helpers import make_trainer
@@ -152,16 +153,17 @@ def test_api_a_locked_output_dir_is_refused(tmp_path):
 
 
 def fill_the_disk_at_step(monkeypatch, step: int) -> None:
-    """The optimizer state of checkpoint ``step`` fails with ENOSPC after the weights were written."""
-    original = transformers.Trainer._save_optimizer_and_scheduler
+    """Writing the optimizer state of checkpoint ``step`` (``torch.save``, as transformers writes it) fails with ENOSPC
+    half-way, after the weights were written."""
+    original = torch.save
 
-    def save(self, output_dir):
-        if self.state.global_step == step:
-            (Path(output_dir) / "optimizer.pt").write_bytes(b"half")
-            raise OSError(errno.ENOSPC, "No space left on device", str(Path(output_dir) / "optimizer.pt"))
-        return original(self, output_dir)
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and str(f).endswith(f"checkpoint-{step}{os.sep}optimizer.pt"):
+            Path(f).write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return original(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(transformers.Trainer, "_save_optimizer_and_scheduler", save)
+    monkeypatch.setattr(torch, "save", save)
 
 
 def test_api_a_full_disk_during_a_save(monkeypatch, tmp_path):

@@ -145,7 +145,7 @@ def test_trainer_with_colocated_engine_corrects_and_syncs(tmp_path, loss_type, m
     backend = VLLMRollout("unused", tok, args, llm=llm, sampling_params_cls=dict)
     trainer = GRPOTrainer(model, lambda completions, **k: [float(len(c[0]["content"])) for c in completions],
                           args=args, train_dataset=ds, processing_class=tok, rollout_backend=backend)
-    batch = trainer._generate_and_score([ds[0]] * 4, mode="train")
+    batch, _ = trainer.pipeline.next_batch([ds[0]] * 4, trainer.driver)
     expected = sampler_importance_ratio(batch.old_logps, batch.sampler_logps,
                                         batch.completion_mask.float(), mode, None, 3.0)
     torch.testing.assert_close(batch.sampler_ratio, expected)

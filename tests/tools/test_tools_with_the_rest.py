@@ -47,7 +47,7 @@ def test_vllm_generates_across_tool_turns_with_its_log_probs_on_the_model_tokens
     trainer = GRPOTrainer(tiny_model(tok, max_positions=2048), used_tool, args=args, train_dataset=dataset(),
                           processing_class=tok, tools=[add],
                           rollout_backend=VLLMRollout("unused", tok, args, llm=llm, sampling_params_cls=dict))
-    batch = trainer._generate_and_score([dataset()[0]] * 4, mode="train")
+    batch, _ = trainer.pipeline.next_batch([dataset()[0]] * 4, trainer.driver)
     first, second = llm.prompts[0], llm.prompts[1]
     assert len(second) == 2  # the two rows that called the tool continue
     for j, row in enumerate((0, 2)):

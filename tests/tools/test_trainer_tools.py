@@ -103,14 +103,14 @@ def test_environments_per_row_their_tools_and_rewards(tmp_path):
                           environment_factory={"counter": Counter, "echo": Echo})
     assert trainer.reward_func_names == ["Counter"]  # the only get_reward; reward_funcs may be omitted
     prompts = []
-    score = trainer._score_rows
+    score = trainer.pipeline.scorer
 
-    def spy(rows, mode, **kw):
-        s = score(rows, mode, **kw)
+    def spy(rows, driver, stats):
+        s = score(rows, driver, stats)
         prompts.append(s.prompt_texts)
         return s
 
-    trainer._score_rows = spy
+    trainer.pipeline.scorer = spy
     trainer.train()
     texts = prompts[0]
     assert "Go 0. Reach 5." in texts[0] and '"name": "increment"' in texts[0] and '"name": "say"' not in texts[0]

@@ -4,17 +4,20 @@ max_staleness=0 being the synchronous trainer bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 
 import pytest
 import torch
 from datasets import Dataset
+from runs import run_args
 from tiny import tiny_model, tiny_tokenizer
 from transformers import TrainerCallback
 
 from grpokit.config import GRPOConfig
-from grpokit.rollout.producer import RolloutProducer
+from grpokit.pipeline.producer import RolloutProducer
 from grpokit.trainer import GRPOTrainer
 
 
@@ -28,29 +31,37 @@ def reward(completions, **kw):
 
 
 def make_args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                max_completion_length=6, max_steps=5, logging_steps=1, report_to="none", gradient_checkpointing=False,
-                learning_rate=5e-2, save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
-    base.update(kw)
-    return GRPOConfig(**base)
+    return run_args(tmp_path / "out", **{"max_completion_length": 6, "max_steps": 5, "learning_rate": 5e-2, **kw})
+
+
+class TakenBatches(TrainerCallback):
+    """Records every produced batch the learner takes: (index, version, the first round's prompts), by wrapping the
+    producer's public ``next_batch`` once the trainer has started it."""
+
+    def __init__(self, trainer):
+        self.trainer, self.taken = trainer, []
+
+    def on_train_begin(self, args, state, control, **kw):
+        producer = self.trainer.pipeline.producer
+        take = producer.next_batch
+
+        def spy(version, is_main_process):
+            batch = take(version, is_main_process)
+            self.taken.append((batch.index, batch.version, [r["prompt"][0]["content"] for r in producer.rows(batch.index)]))
+            return batch
+
+        producer.next_batch = spy
 
 
 def train(tmp_path, **kw):
     tok = tiny_tokenizer()
     trainer = GRPOTrainer(tiny_model(tok), kw.pop("reward", reward), args=make_args(tmp_path, **kw),
                           train_dataset=dataset(), processing_class=tok)
-    produced = []
-    if trainer._async is not None:
-        original = trainer._async._produce
-
-        def spy(rows, k, version):
-            batch = original(rows, k, version)
-            produced.append((k, version, [r["prompt"][0]["content"] for r in rows]))
-            return batch
-
-        trainer._async._produce = spy
+    spy = TakenBatches(trainer)
+    if trainer.args.max_staleness > 0:
+        trainer.add_callback(spy)  # after the trainer's own hooks, which start the producer
     trainer.train()
-    return trainer, produced, [h for h in trainer.state.log_history if "reward" in h]
+    return trainer, spy.taken, [h for h in trainer.state.log_history if "reward" in h]
 
 
 def test_exact_staleness_is_exact(tmp_path):
@@ -68,9 +79,9 @@ def test_the_batches_are_those_of_the_synchronous_sampler(tmp_path):
     sync = GRPOTrainer(tiny_model(tok), reward, args=make_args(tmp_path / "s", max_steps=3), train_dataset=dataset(),
                        processing_class=tok)
     seen = []
-    score = sync._score_rows
-    sync._score_rows = lambda rows, mode, **k: (seen.append([r["prompt"][0]["content"] for r in rows]),
-                                                score(rows, mode, **k))[1]
+    score = sync.pipeline.scorer
+    sync.pipeline.scorer = lambda rows, driver, stats: (seen.append([r["prompt"][0]["content"] for r in rows]),
+                                                        score(rows, driver, stats))[1]
     sync.train()
     _, produced, _ = train(tmp_path / "a", max_staleness=2, staleness_mode="exact", max_steps=3)
     assert [p for _, _, p in produced] == seen
@@ -82,13 +93,13 @@ def test_behaviour_logps_come_from_the_generating_weights(tmp_path):
                                                                   max_steps=4, loss_type="vespo"),
                           train_dataset=dataset(), processing_class=tok)
     olds = []
-    finish = trainer._finish_batch
+    finish = trainer.pipeline.finish
 
-    def record(s, mode, behaviour_logps=None):
+    def record(samples, stats, driver, mode="train", behaviour_logps=None):
         olds.append(behaviour_logps)
-        return finish(s, mode, behaviour_logps=behaviour_logps)
+        return finish(samples, stats, driver, mode, behaviour_logps=behaviour_logps)
 
-    trainer._finish_batch = record
+    trainer.pipeline.finish = record
     trainer.train()
     assert all(o is not None for o in olds)
     logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -101,7 +112,7 @@ def test_bounded_mode_stays_within_the_bound_and_stops(tmp_path):
     assert all(h["sample/staleness_max"] <= 2 for h in logs) and len(logs) == 6
     for k, version, _ in produced:
         assert version >= k - 2  # batch k starts training at step k: never more than 2 versions old
-    assert trainer._async.producer is None  # closed at the end of training
+    assert trainer.pipeline.producer is None  # closed at the end of training
 
 
 def test_weight_sync_steps(tmp_path):
@@ -117,7 +128,7 @@ def test_dynamic_sampling_in_the_producer(tmp_path):
     trainer, _, logs = train(tmp_path, reward=only_easy, max_staleness=1, dynamic_sampling=True,
                              dynamic_sampling_max_rounds=10, max_steps=3)
     assert all(h["frac_reward_zero_std"] == 0 and "dynamic_sampling/rounds" in h for h in logs)
-    assert trainer._refill_position > 0
+    assert trainer.pipeline.filter.refill_position > 0
 
 
 def test_sigterm_stops_the_producer_and_the_run_resumes(tmp_path):
@@ -136,7 +147,7 @@ def test_sigterm_stops_the_producer_and_the_run_resumes(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert trainer.interrupted == signal.SIGTERM and trainer.state.global_step == 2
-    assert trainer._async.producer is None
+    assert trainer.pipeline.producer is None
     checkpoint = os.path.join(args.output_dir, "checkpoint-2")
     assert os.path.isdir(checkpoint)
     resumed = GRPOTrainer(tiny_model(tok), reward, args=make_args(tmp_path, max_staleness=2, max_steps=5),
@@ -153,7 +164,7 @@ def test_max_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
         model = tiny_model(tok, seed=2)
         trainer = GRPOTrainer(model, reward, args=make_args(tmp_path / tag, max_steps=3, **extra),
                               train_dataset=dataset(), processing_class=tok)
-        assert trainer._async is None
+        assert trainer.pipeline.producer is None
         trainer.train()
         results.append({n: p.detach().clone() for n, p in model.named_parameters()})
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
@@ -178,3 +189,54 @@ def test_config_rules():
         GRPOConfig(output_dir="/tmp/a", staleness_mode="nope")
     with pytest.raises(ValueError, match="max_staleness=-1 is not allowed"):
         GRPOConfig(output_dir="/tmp/a", max_staleness=-1)
+
+
+def test_a_bounded_run_stopped_and_resumed_trains_on_the_prompts_of_an_uninterrupted_one(tmp_path):
+    """The producer runs ahead (its state: the refill position, the keep rate, the skipped prompts' streaks and draws),
+    so a checkpoint must hold the state after the last batch the learner took, not the producer's live one: the
+    resumed run then trains on the very prompts the uninterrupted run does, none twice, none skipped. Rewards depend on
+    the prompt only (which groups have spread is the same in every run), so the prompts trained on are determined by
+    the pipeline's state alone."""
+    def spread_if_easy(completions, hard, **kw):
+        return [0.0 if h else float(i % 2) for i, h in enumerate(hard)]
+
+    kw = dict(max_staleness=2, staleness_mode="bounded", dynamic_sampling=True, dynamic_sampling_max_rounds=4,
+              dynamic_sampling_explore_prob=0.5, max_steps=8, save_strategy="steps", save_steps=100)
+
+    def run(out, stop_at=None, resume=None):
+        class Term(TrainerCallback):
+            def on_step_end(self, args, state, control, **k):
+                if state.global_step == stop_at:
+                    producer = trainer.pipeline.producer.producer
+                    deadline = time.monotonic() + 120
+                    while producer.ready() < 2:  # the producer has run ahead of the learner (and moved its state)
+                        assert time.monotonic() < deadline, "the producer did not produce ahead within 120 s"
+                        time.sleep(0.01)
+                    signal.raise_signal(signal.SIGTERM)
+
+        tok = tiny_tokenizer()
+        trainer = GRPOTrainer(tiny_model(tok), spread_if_easy, args=make_args(out, **kw), train_dataset=dataset(),
+                              processing_class=tok, callbacks=[Term()])
+        trained = []
+        finish = trainer.pipeline.finish
+
+        def record(samples, stats, driver, mode="train", behaviour_logps=None):
+            if mode == "train":
+                trained.append([p[0]["content"] for p in samples.prompts[::4]])
+            return finish(samples, stats, driver, mode, behaviour_logps=behaviour_logps)
+
+        trainer.pipeline.finish = record
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return trainer, trained
+
+    _, whole = run(tmp_path / "whole")
+    first, before = run(tmp_path / "cut", stop_at=3)
+    assert first.interrupted == signal.SIGTERM and len(before) == 3
+    saved = json.loads(open(os.path.join(tmp_path / "cut" / "out", "checkpoint-3", "grpokit_state_0.json")).read())
+    assert saved["refill_position"] > 0 and saved["prompt_skipper"]["streaks"]
+    _, after = run(tmp_path / "cut", resume="auto")
+    assert len(whole) == 8 and before + after == whole

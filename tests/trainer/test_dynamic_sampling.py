@@ -12,8 +12,8 @@ from datasets import Dataset
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.config import GRPOConfig
+from grpokit.pipeline import GroupFilter, PromptOrder, fill_with_informative_groups, first_round_groups
 from grpokit.rollout.base import Generation
-from grpokit.rollout.dynamic_sampling import fill_with_informative_groups, first_round_groups
 from grpokit.rollout.sample import ScoredSamples
 from grpokit.trainer import GRPOTrainer
 
@@ -132,13 +132,13 @@ def test_trainer_trains_only_on_groups_with_spread(tmp_path):
     trainer = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path), train_dataset=_dataset(),
                           processing_class=tok)
     batches = []
-    finish = trainer._finish_batch
+    finish = trainer.pipeline.finish
 
-    def record(s, mode):
-        batches.append(s)
-        return finish(s, mode)
+    def record(samples, stats, driver, mode="train", behaviour_logps=None):
+        batches.append(samples)
+        return finish(samples, stats, driver, mode, behaviour_logps)
 
-    trainer._finish_batch = record
+    trainer.pipeline.finish = record
     trainer.train()
     for s in batches:
         assert len(s) == 8
@@ -148,7 +148,7 @@ def test_trainer_trains_only_on_groups_with_spread(tmp_path):
     assert all(h["frac_reward_zero_std"] == 0.0 and h["dynamic_sampling/unfilled_frac"] == 0.0 for h in logs)
     assert all(h["dynamic_sampling/rounds"] >= 1 and 0 <= h["dynamic_sampling/filtered_frac"] < 1 for h in logs)
     assert any(h["dynamic_sampling/filtered_frac"] > 0 for h in logs)  # 2 of 3 prompts are hard
-    assert trainer._refill_position > 0
+    assert trainer.pipeline.filter.refill_position > 0
 
 
 def test_refill_position_is_checkpointed_and_restored(tmp_path):
@@ -157,11 +157,11 @@ def test_refill_position_is_checkpointed_and_restored(tmp_path):
     first = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=args, train_dataset=_dataset(), processing_class=tok)
     first.train()
     saved = json.loads(open(os.path.join(args.output_dir, "checkpoint-2", "grpokit_state_0.json")).read())
-    assert saved["refill_position"] == first._refill_position > 0
+    assert saved["refill_position"] == first.pipeline.filter.refill_position > 0
     resumed = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path, max_steps=3),
                           train_dataset=_dataset(), processing_class=tok)
     resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
-    assert resumed._refill_position >= saved["refill_position"]
+    assert resumed.pipeline.filter.refill_position >= saved["refill_position"]
 
 
 def test_first_round_of_later_batches_adds_what_the_keep_rate_says(tmp_path):
@@ -172,17 +172,18 @@ def test_first_round_of_later_batches_adds_what_the_keep_rate_says(tmp_path):
     calls, keep_rates = [], []
 
     def instrumented(trainer):
-        generate, first_round = trainer._generate, trainer._first_round_groups
+        group_filter, driver = trainer.pipeline.filter, trainer.driver
+        generate, fill = driver.generate, group_filter.fill
 
-        def sized(need):
-            keep_rates.append(trainer._last_keep_rate)
-            return first_round(need)
+        def sized(*a, **k):  # the keep rate the batch's first round is sized by
+            keep_rates.append(group_filter.last_keep_rate)
+            return fill(*a, **k)
 
-        def counted(ids, mask, mode, max_new_tokens=None):
+        def counted(ids, mask, max_new_tokens=None):
             calls.append(ids.shape[0])
-            return generate(ids, mask, mode, max_new_tokens)
+            return generate(ids, mask, max_new_tokens)
 
-        trainer._generate, trainer._first_round_groups = counted, sized
+        driver.generate, group_filter.fill = counted, sized
         return trainer
 
     trainer = instrumented(GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=args, train_dataset=_dataset(),
@@ -195,7 +196,7 @@ def test_first_round_of_later_batches_adds_what_the_keep_rate_says(tmp_path):
     assert first_calls[1:] == [4 * first_round_groups(2, r, 4) for r in keep_rates[1:]]
     assert all(n > 8 for n in first_calls[1:])
     saved = json.loads(open(os.path.join(args.output_dir, "checkpoint-3", "grpokit_state_0.json")).read())
-    assert saved["last_keep_rate"] == trainer._last_keep_rate
+    assert saved["last_keep_rate"] == trainer.pipeline.filter.last_keep_rate
     keep_rates.clear()
     resumed = instrumented(GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path, max_steps=4),
                                        train_dataset=_dataset(), processing_class=tok))
@@ -210,7 +211,7 @@ def test_refill_stream_follows_shuffle_dataset(tmp_path, shuffle):
     tok = tiny_tokenizer()
     trainer = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path, shuffle_dataset=shuffle),
                           train_dataset=_dataset(), processing_class=tok)
-    rows = trainer._refill_rows(3) + trainer._refill_rows(23)
+    rows = trainer.pipeline.filter.refill_rows(3) + trainer.pipeline.filter.refill_rows(23)
     names = [r["prompt"][0]["content"] for r in rows[::4]]
     assert all(rows[i] == rows[i - i % 4] for i in range(len(rows)))  # each prompt num_generations times
     if shuffle:
@@ -219,18 +220,13 @@ def test_refill_stream_follows_shuffle_dataset(tmp_path, shuffle):
         assert names == [f"q{(i + 2) % 24}" for i in range(26)]  # 2 prompts in a generation batch of 8 rows
 
 
-def test_unshuffled_refill_stream_across_ranks(tmp_path, monkeypatch):
+def test_unshuffled_refill_stream_across_ranks(tmp_path):
     """Two processes: the first generation batch took global prompts 0-3 (16 rows / 4 generations); the ranks then
     take every other prompt from there, rank 1 from q5."""
-    from transformers import TrainingArguments
-
-    tok = tiny_tokenizer()
-    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
-    args = make_args(tmp_path, shuffle_dataset=False, generation_batch_size=16)
-    trainer = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=args, train_dataset=_dataset(),
-                          processing_class=tok)
-    monkeypatch.setattr(TrainingArguments, "process_index", property(lambda self: 1))
-    assert [r["prompt"][0]["content"] for r in trainer._refill_rows(3)[::4]] == ["q5", "q7", "q9"]
+    args = make_args(tmp_path, shuffle_dataset=False)
+    rank1 = GroupFilter(_dataset(), PromptOrder(24, 16 // 4, shuffle=False), args, torch.ones(1), pad_id=0, rank=1,
+                        world_size=2)
+    assert [r["prompt"][0]["content"] for r in rank1.refill_rows(3)[::4]] == ["q5", "q7", "q9"]
 
 
 def test_lora_is_merged_once_per_generation_batch_and_given_back(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from runs import varied_reward
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.config import GRPOConfig
@@ -15,10 +16,6 @@ from grpokit.lora_plus import is_lora_b
 from grpokit.trainer import GRPOTrainer
 
 LR = 1e-3
-
-
-def varied_reward(completions, **kw):
-    return [len(set(c[0]["content"])) / 8.0 for c in completions]
 
 
 def make_trainer(out, lora=True, **kw):

@@ -13,7 +13,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.algorithms.advantages import skip_probability
 from grpokit.config import GRPOConfig
-from grpokit.rollout.prompt_skipping import PromptSkipper, prompt_key
+from grpokit.pipeline import PromptSkipper, prompt_key
 from grpokit.trainer import GRPOTrainer
 
 
@@ -75,14 +75,13 @@ def test_draws_are_seeded_and_resume_from_the_saved_state():
 
 def _generated_prompts(trainer) -> Counter:
     seen = Counter()
-    score = trainer._score_rows
+    score = trainer.pipeline.scorer
 
-    def counted(rows, mode, **kw):
-        if mode == "train":
-            seen.update(r["prompt"][0]["content"] for r in rows[::trainer.args.num_generations])
-        return score(rows, mode, **kw)
+    def counted(rows, driver, stats):
+        seen.update(r["prompt"][0]["content"] for r in rows[::trainer.args.num_generations])
+        return score(rows, driver, stats)
 
-    trainer._score_rows = counted
+    trainer.pipeline.scorer = counted
     return seen
 
 
@@ -105,16 +104,16 @@ def test_trainer_skips_prompts_that_keep_scoring_alike(tmp_path):
         if p < 1:
             assert any(h["dynamic_sampling/skipped_frac"] > 0 for h in logs)
             saved = json.loads(open(os.path.join(args.output_dir, "checkpoint-6", "grpokit_state_0.json")).read())
-            assert saved["prompt_skipper"] == trainer._prompt_skipper.state_dict()
+            assert saved["prompt_skipper"] == trainer.pipeline.filter.skipper.state_dict()
             assert max(saved["prompt_skipper"]["streaks"].values()) >= 2
             resumed = GRPOTrainer(tiny_model(tok), spread_only_for_easy,
                                   args=make_args(tmp_path / str(p), max_steps=7, dynamic_sampling_explore_prob=p),
                                   train_dataset=_dataset(), processing_class=tok)
             resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-6"))
-            assert set(saved["prompt_skipper"]["streaks"]) <= set(resumed._prompt_skipper.streaks)
-            assert resumed._prompt_skipper.draws >= saved["prompt_skipper"]["draws"] > 0  # loaded, not started afresh
+            assert set(saved["prompt_skipper"]["streaks"]) <= set(resumed.pipeline.filter.skipper.streaks)
+            assert resumed.pipeline.filter.skipper.draws >= saved["prompt_skipper"]["draws"] > 0  # loaded, not started afresh
         else:
-            assert trainer._prompt_skipper is None
+            assert trainer.pipeline.filter.skipper is None
             assert all("dynamic_sampling/skipped_frac" not in h for h in logs)
     # without skipping the refill stream generates hard prompts again and again; with it, about once each (16 of them)
     assert counts[0.05][0] <= 18 < counts[1.0][0] and counts[0.05][1] <= 2 < counts[1.0][1]

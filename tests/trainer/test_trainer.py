@@ -7,40 +7,13 @@ import pytest
 import torch
 from conftest import FixedRollout
 from datasets import Dataset
+from runs import chat_dataset, make_args, text_dataset, varied_reward
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.algorithms import LOSS_TYPES
-from grpokit.config import GRPOConfig
 from grpokit.trainer import GRPOTrainer
 
 LEVELS = ("token", "sequence", "sequence_token")
-
-
-def chat_dataset(n=16):
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(n)],
-        "answer": [str(2 * i) for i in range(n)],
-    })
-
-
-def text_dataset(n=16):
-    return Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(n)], "answer": [str(i) for i in range(n)]})
-
-
-def varied_reward(completions, **kw):
-    """Distinct characters of the reply: spread within every group of random completions."""
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [len(set(t)) / 8.0 for t in texts]
-
-
-def make_args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        max_steps=2, logging_steps=1, report_to="none", gradient_checkpointing=False, learning_rate=1e-2,
-        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-    )
-    base.update(kw)
-    return GRPOConfig(**base)
 
 
 def params_of(model):
@@ -218,7 +191,7 @@ def test_sampler_logps_apply_the_mismatch_correction(tmp_path):
     args = make_args(tmp_path, max_steps=2, vllm_importance_sampling_mode="token_truncate")
     trainer = GRPOTrainer(tiny_model(tok), varied_reward, args=args, train_dataset=chat_dataset(),
                           processing_class=tok, rollout_backend=rollout)
-    batch = trainer._generate_and_score([trainer.train_dataset[0]] * 4, mode="train")
+    batch, _ = trainer.pipeline.next_batch([trainer.train_dataset[0]] * 4, trainer.driver)
     assert batch.old_logps is not None and batch.sampler_ratio is not None
     assert batch.sampler_ratio.shape == batch.completion_ids.shape
     assert (batch.sampler_ratio <= 3.0).all()

@@ -10,32 +10,10 @@ import os
 
 import pytest
 import torch
-from datasets import Dataset
+from runs import chat_dataset, make_args, train_logs, varied_reward
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.config import GRPOConfig
 from grpokit.trainer import GRPOTrainer
-
-
-def chat_dataset(n=16):
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(n)],
-                              "answer": [str(2 * i) for i in range(n)]})
-
-
-def varied_reward(completions, **kw):
-    return [len(set(c[0]["content"])) / 8.0 for c in completions]
-
-
-def make_args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", gradient_checkpointing=False,
-                learning_rate=1e-2, save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
-    base.update(kw)
-    return GRPOConfig(**base)
-
-
-def train_logs(trainer):
-    return [h for h in trainer.state.log_history if "reward" in h]
 
 
 # -- reward models --------------------------------------------------------------------------------------------------
@@ -72,9 +50,9 @@ def test_reward_functions_get_log_metric_and_log_extra(tmp_path, monkeypatch):
         return [x / 10 for x in lengths]
 
     tables = []
-    import grpokit.reporting as reporting
+    import grpokit.reporting.tables as tables_module
 
-    monkeypatch.setattr(reporting, "log_completions_table", lambda *a, **k: tables.append(k["extra"]))
+    monkeypatch.setattr(tables_module, "log_completions_table", lambda *a, **k: tables.append(k["extra"]))
     trainer = GRPOTrainer(tiny_model(tiny_tokenizer()), reward, args=make_args(tmp_path, log_completions=True),
                           train_dataset=chat_dataset(), processing_class=tiny_tokenizer())
     trainer.train()
@@ -91,13 +69,13 @@ def test_iterable_dataset_trains_in_whole_groups(tmp_path):
     groups = []
     trainer = GRPOTrainer(tiny_model(tok), varied_reward, args=make_args(tmp_path, max_steps=3, shuffle_dataset=False),
                           train_dataset=stream, processing_class=tok)
-    original = trainer._generate_and_score
+    original = trainer.pipeline.sample
 
-    def record(rows, mode):
+    def record(rows, driver, mode="train"):
         groups.append([r["answer"] for r in rows])
-        return original(rows, mode)
+        return original(rows, driver, mode)
 
-    trainer._generate_and_score = record
+    trainer.pipeline.sample = record
     trainer.train()
     assert trainer.state.global_step == 3
     assert groups == [["0"] * 4, ["2"] * 4, ["4"] * 4]  # the stream in order, each row num_generations times

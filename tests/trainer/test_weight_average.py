@@ -7,17 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from runs import varied_reward
 from tiny import tiny_model, tiny_tokenizer
 from transformers import TrainerCallback
 
 from grpokit.algorithms.averaging import ema_decay_at, mix_
+from grpokit.checkpoint_parts import load_parts, save_parts
 from grpokit.config import GRPOConfig
 from grpokit.trainer import GRPOTrainer
 from grpokit.weight_average import WEIGHT_AVERAGE_FILE, WeightAverage
-
-
-def varied_reward(completions, **kw):
-    return [len(set(c[0]["content"])) / 8.0 for c in completions]
 
 
 def make_trainer(out, **kw):
@@ -95,20 +93,24 @@ def test_file_round_trip_and_another_model_refused(tmp_path):
     with torch.no_grad():
         m.a.add_(1.0)
     avg.update()
-    avg.save(tmp_path)
+    save_parts([avg], tmp_path)
     assert (tmp_path / WEIGHT_AVERAGE_FILE).is_file()
     again = WeightAverage(Two(), decay=0.9)
-    assert again.load(tmp_path) and again.updates == 1
+    load_parts([again], tmp_path)
+    assert again.updates == 1
     assert torch.equal(again.average["a"], avg.average["a"])
-    assert not again.load(tmp_path / "nothing-here")
+    fresh = WeightAverage(Two(), decay=0.9)
+    load_parts([fresh], tmp_path / "nothing-here")  # no file: left as it is
+    assert fresh.updates == 0
 
     class Other(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.b = torch.nn.Parameter(torch.zeros(2))
 
-    with pytest.raises(ValueError, match="does not hold this model's trained parameters"):
-        WeightAverage(Other(), decay=0.9).load(tmp_path)
+    with pytest.raises(ValueError, match=f"{WEIGHT_AVERAGE_FILE} does not fit this run: it does not hold this model's"
+                                         " trained parameters"):
+        load_parts([WeightAverage(Other(), decay=0.9)], tmp_path)
 
 
 @pytest.mark.parametrize("value", [0, 1, 1.5, -0.1, "0.9", float("nan")])
@@ -157,7 +159,7 @@ def test_held_out_curve_sees_the_average_and_training_continues_from_its_own_wei
             trained = params_of(model)
             with trainer.averaged_weights():
                 inside = params_of(model)
-                for name, a in trainer._weight_average.average.items():
+                for name, a in trainer.weight_average.average.items():
                     assert torch.equal(inside[name], a.to(inside[name].dtype))
             assert all(torch.equal(p, trained[n]) for n, p in params_of(model).items())
             self.checked += 1

@@ -22,6 +22,7 @@ import torch
 
 from ..aggregation import AGGREGATIONS
 from ..importance import IMPORTANCE_SAMPLING_LEVELS
+from ..registry_names import LiveNames
 from ._context import ClosedForm, LossContext, LossWeights
 
 TermFn = Callable[[LossContext], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
@@ -138,23 +139,8 @@ def loss_spec(name: str) -> LossSpec:
         raise ValueError(f"loss_type={name!r} is not supported; allowed: {', '.join(LOSSES)}") from None
 
 
-class _LiveNames(Sequence):
-    """The registered ``loss_type`` names, read at each use (so a loss registered later is included)."""
-
-    def __getitem__(self, i):
-        return tuple(LOSSES)[i]
-
-    def __len__(self) -> int:
-        return len(LOSSES)
-
-    def __contains__(self, name) -> bool:
-        return name in LOSSES
-
-    def __repr__(self) -> str:
-        return repr(tuple(LOSSES))
-
-
-LOSS_TYPES: Sequence[str] = _LiveNames()
+LOSS_TYPES: Sequence[str] = LiveNames(LOSSES)
+"""The registered ``loss_type`` names, read at each use (so a loss registered later is included)."""
 
 
 def recipes() -> dict[str, dict[str, Any]]:

@@ -19,6 +19,10 @@ from typing import Any
 
 from ..algorithms.advantages import skip_probability
 
+DRAW_STREAM_STRIDE = 1_000_003
+"""Draw ``d`` of a run seeded ``s`` is ``random.Random(s · DRAW_STREAM_STRIDE + d)``: a prime stride, so that two seeds'
+streams of draws never share a generator seed within the first million draws."""
+
 
 def prompt_key(prompt: Any) -> str:
     """A short stable name for a prompt as the dataset holds it (its JSON, hashed): what the streaks are kept under."""
@@ -45,7 +49,7 @@ class PromptSkipper:
         p_skip = skip_probability(self.streaks.get(prompt_key(row.get("prompt")), 0), self.explore_prob)
         if p_skip <= 0.0:
             return True
-        u = random.Random(self.seed * 1_000_003 + self.draws).random()
+        u = random.Random(self.seed * DRAW_STREAM_STRIDE + self.draws).random()
         self.draws += 1
         if u < p_skip:
             self.skipped += 1
@@ -82,10 +86,3 @@ class PromptSkipper:
         self.streaks = {str(k): int(v) for k, v in state.get("streaks", {}).items()}
         self.draws = int(state.get("draws", 0))
 
-
-def prompt_skipper(args) -> PromptSkipper | None:
-    """The filter a config asks for: with ``dynamic_sampling`` and ``dynamic_sampling_explore_prob`` < 1, seeded from
-    ``seed``; else None (every prompt generated)."""
-    if not args.dynamic_sampling or args.dynamic_sampling_explore_prob >= 1.0:
-        return None
-    return PromptSkipper(args.dynamic_sampling_explore_prob, args.seed + 104729)

@@ -1,0 +1,25 @@
+"""The rollout pipeline: the stretch from a generation batch's prompts to the batch the loss takes, with typed
+hand-offs from stage to stage (docs/architecture.md):
+
+- :mod:`.prompts`: the one seeded prompt order (the dataloader's sampler, the refill stream, the producer);
+- :mod:`.scoring`: sampling and scoring (rows → :class:`grpokit.rollout.sample.ScoredSamples`);
+- :mod:`.filtering`: dynamic sampling and prompt skipping (:class:`GroupFilter`, one object, one state);
+- :mod:`.finishing`: advantages over every process, masks, log-probs (→ :class:`grpokit.batch.RolloutBatch`);
+- :mod:`.stats`: :class:`RolloutStats`, the one metrics channel;
+- :mod:`.driver`: :class:`RolloutDriver`, what the pipeline needs from whoever drives it;
+- :mod:`.producer`: asynchronous rollouts, the same pipeline driven ahead of the learner;
+- :mod:`.rollout_pipeline`: :class:`RolloutPipeline`, the stages put together.
+"""
+
+from .driver import RolloutDriver
+from .filtering import FillStats, GroupFilter, fill_with_informative_groups, first_round_groups
+from .finishing import BatchFinisher
+from .prompt_skipping import PromptSkipper, prompt_key
+from .prompts import GroupRepeatIterable, GroupRepeatSampler, PromptOrder
+from .rollout_pipeline import RolloutPipeline
+from .scoring import RolloutScorer
+from .stats import RolloutStats
+
+__all__ = ["BatchFinisher", "FillStats", "GroupFilter", "GroupRepeatIterable", "GroupRepeatSampler", "PromptOrder",
+           "PromptSkipper", "RolloutDriver", "RolloutPipeline", "RolloutScorer", "RolloutStats",
+           "fill_with_informative_groups", "first_round_groups", "prompt_key"]

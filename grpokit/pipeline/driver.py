@@ -1,0 +1,69 @@
+"""What the rollout pipeline needs from whoever drives it: one declared protocol.
+
+The learner (:class:`grpokit.trainer_driver.TrainerDriver`, the trainer's side) offers all of it; the asynchronous
+producer's driver (:class:`grpokit.pipeline.producer.SamplerDriver`) offers the sampling half only — its own copy of
+the policy to generate with, no collectives — because it runs in a thread of its own and the learner finishes what it
+produced.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from ..rollout.base import Generation
+
+
+class RolloutDriver(Protocol):
+    device: torch.device
+    """Where prompts and completions are put for the model."""
+    process_index: int
+    num_processes: int
+    lockstep: bool
+    """Every process must run the same generation calls (sharded weights generating together): dynamic sampling then
+    asks :meth:`any_process` whether to run another round."""
+    trainer_state: Any
+    """What reward functions receive as ``trainer_state`` (TRL's ``TrainerState``)."""
+
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer steps taken so far."""
+        ...
+
+    # -- the sampling half (any thread) ------------------------------------------------------------------------------
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 max_new_tokens: int | None = None) -> Generation:
+        """One completion per row, sampled with the run's sampling settings (``max_new_tokens`` overrides the
+        completion budget: the tool loop's later turns)."""
+        ...
+
+    def generation_batch(self) -> AbstractContextManager:
+        """A context around every generation call of one generation batch (the LoRA merge, once)."""
+        ...
+
+    # -- the finishing half (the learner's thread) -------------------------------------------------------------------
+    def policy_logps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                     completion_mask: torch.Tensor) -> torch.Tensor:
+        """(N, C) the current policy's log-probs of the completion tokens, without gradient."""
+        ...
+
+    def reference_logps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                        completion_mask: torch.Tensor) -> torch.Tensor:
+        """(N, C) the reference policy's log-probs of the completion tokens (``beta != 0``)."""
+        ...
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's ``tensor`` concatenated along dim 0, in process order."""
+        ...
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def gather_objects(self, obj: Any) -> list:
+        """Every process's ``obj``, in process order."""
+        ...
+
+    def any_process(self, flag: bool) -> bool:
+        ...

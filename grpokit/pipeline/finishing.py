@@ -1,0 +1,142 @@
+"""The pipeline's finishing stage: scored samples in, the batch the loss takes out (:class:`grpokit.batch.RolloutBatch`)
+with its statistics. Advantages need whole groups, so every process's rewards are gathered: this stage makes
+collectives and runs in the learner's thread."""
+
+from __future__ import annotations
+
+import torch
+
+from ..algorithms.advantages import group_advantages
+from ..algorithms.importance import sampler_importance_ratio
+from ..algorithms.masked import nanstd
+from ..batch import RolloutBatch
+from ..rollout.sample import ScoredSamples
+from .driver import RolloutDriver
+from .stats import RolloutStats
+
+
+class BatchFinisher:
+    """``reward_names`` / ``reward_weights``: one per reward column. ``reuses_batches``: a generation batch serves
+    several optimizer steps (``num_iterations`` > 1 or ``steps_per_generation`` > gradient accumulation), so the
+    loss needs the log-probs of the policy that generated it."""
+
+    def __init__(self, args, reward_names: list[str], reward_weights: torch.Tensor, reuses_batches: bool):
+        self.args, self.reward_names, self.reward_weights = args, reward_names, reward_weights
+        self.reuses_batches = reuses_batches
+
+    def __call__(self, s: ScoredSamples, driver: RolloutDriver, mode: str, stats: RolloutStats,
+                 behaviour_logps: torch.Tensor | None = None) -> RolloutBatch:
+        """Advantages over every process's groups, the loss mask, the log-probs the loss needs (``behaviour_logps``:
+        the generating policy's, when that is not the current one), and the batch's metrics into ``stats``."""
+        a, device = self.args, driver.device
+        self._reduce_reward_logs(stats, driver)
+        gen = s.generation
+        completion_mask = gen.completion_mask.to(device)
+        truncated = gen.is_truncated.to(device)
+        rewards_local = s.rewards.to(device)
+        rewards, result, advantages = self._advantages(rewards_local, driver, mode)
+        if a.mask_truncated_completions:
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+        batch = RolloutBatch(
+            prompt_ids=s.prompt_ids.to(device), prompt_mask=s.prompt_mask.to(device),
+            completion_ids=gen.completion_ids.to(device), completion_mask=completion_mask, advantages=advantages,
+            num_items_in_batch=torch.zeros(()),
+            sampler_logps=gen.sampler_logps.to(device) if gen.sampler_logps is not None else None,
+            tool_mask=gen.tool_mask.to(device) if gen.tool_mask is not None else None,
+        )
+        batch.num_items_in_batch = driver.gather(batch.loss_mask.sum().reshape(1)).sum()
+        if behaviour_logps is not None:
+            batch.old_logps = behaviour_logps.to(device)
+        self._add_logps(batch, driver, mode, stats)
+        lengths_local = (gen.completion_mask if gen.tool_mask is None else gen.completion_mask * gen.tool_mask).sum(1)
+        self._rollout_metrics(stats, driver, mode, rewards, result, lengths_local.to(device), truncated, s.prompt_mask,
+                              batch.loss_mask)
+        stats.samples = {
+            "prompt": s.prompt_texts, "completion": s.completion_texts, "advantage": advantages.tolist(),
+            "rewards": {name: rewards_local[:, k].tolist() for k, name in enumerate(self.reward_names)},
+            "extra": s.extra_columns,
+        }
+        return batch
+
+    def _reduce_reward_logs(self, stats: RolloutStats, driver: RolloutDriver) -> None:
+        """What reward functions logged for this batch, averaged over every process: every process takes part for
+        every name any process used."""
+        pending, stats.reward_logs = stats.reward_logs, {}
+        names = sorted(pending)
+        if driver.num_processes > 1:
+            names = sorted(set().union(*driver.gather_objects([names])))
+        for name in names:
+            values = pending.get(name, [])
+            totals = driver.sum_over_processes(torch.tensor([sum(values), float(len(values))], device=driver.device))
+            if totals[1] > 0:
+                stats.add(name, (totals[0] / totals[1]).item())
+
+    def _advantages(self, rewards_local: torch.Tensor, driver: RolloutDriver, mode: str):
+        """Every process's rewards gathered, advantages computed, this process's slice kept. Returns ``(all rewards,
+        the AdvantageResult, this process's advantages)``."""
+        a = self.args
+        rewards = driver.gather(rewards_local)
+        g = a.num_generations if mode == "train" else (a.num_generations_eval or a.num_generations)
+        result = group_advantages(
+            rewards, g, reward_weights=self.reward_weights.to(rewards.device), scale_rewards=a.scale_rewards,
+            multi_objective_aggregation=a.multi_objective_aggregation, advantage_estimator=a.advantage_estimator,
+        )
+        n, rank = rewards_local.shape[0], driver.process_index
+        return rewards, result, result.advantages[rank * n:(rank + 1) * n].to(driver.device)
+
+    def _add_logps(self, batch: RolloutBatch, driver: RolloutDriver, mode: str, stats: RolloutStats) -> None:
+        """The log-probs the loss needs besides the current policy's: the rollout policy's (``old_logps``) when the
+        batch is reused across optimizer steps or the sampler is not the trainer; the reference model's when
+        ``beta != 0``; and the sampler/trainer mismatch ratio with its metrics."""
+        a = self.args
+        ids = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+        with torch.no_grad():
+            reused = mode == "train" and self.reuses_batches
+            if batch.old_logps is None and (reused or batch.sampler_logps is not None):
+                batch.old_logps = driver.policy_logps(*ids)
+            if a.beta != 0.0:
+                batch.ref_logps = driver.reference_logps(*ids)
+        if batch.sampler_logps is None or batch.old_logps is None:
+            return
+        if a.vllm_importance_sampling_correction:
+            batch.sampler_ratio = sampler_importance_ratio(
+                batch.old_logps, batch.sampler_logps, batch.loss_mask.float(), a.vllm_importance_sampling_mode,
+                a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max,
+            )
+        valid = batch.loss_mask.bool()
+        gap = (batch.old_logps - batch.sampler_logps)[valid].abs()
+        gap = gap[~torch.isnan(gap)]  # tokens the sampler could not score
+        zero = gap.new_zeros(())
+        stats.add("sampling/sampling_logp_difference/mean", gap.mean() if gap.numel() else zero)
+        stats.add("sampling/sampling_logp_difference/max", gap.max() if gap.numel() else zero)
+        if batch.sampler_ratio is not None:
+            rho = batch.sampler_ratio
+            rho = (rho.expand_as(valid)[valid] if rho.shape[-1] != 1 else rho.flatten()).float()
+            for stat in ("min", "mean", "max"):
+                stats.add(f"sampling/importance_sampling_ratio/{stat}", getattr(rho, stat)() if rho.numel()
+                          else rho.new_zeros(()))
+
+    def _rollout_metrics(self, stats: RolloutStats, driver: RolloutDriver, mode: str, rewards, result, lengths_local,
+                         truncated, prompt_mask, completion_mask) -> None:
+        lengths = driver.gather(lengths_local).float()
+        trunc = driver.gather(truncated.float())
+        if mode == "train":
+            stats.tokens = int(driver.gather((prompt_mask.sum() + completion_mask.sum()).reshape(1)).sum())
+        stats.add("completions/mean_length", lengths.mean().item())
+        stats.add("completions/min_length", lengths.min().item())
+        stats.add("completions/max_length", lengths.max().item())
+        stats.add("completions/clipped_ratio", trunc.mean().item())
+        done = lengths[trunc == 0]
+        if done.numel():
+            stats.add("completions/mean_terminated_length", done.mean().item())
+            stats.add("completions/min_terminated_length", done.min().item())
+            stats.add("completions/max_terminated_length", done.max().item())
+        for k, name in enumerate(self.reward_names):
+            col = rewards[:, k]
+            if (~torch.isnan(col)).any():
+                stats.add(f"rewards/{name}/mean", torch.nanmean(col).item())
+                stats.add(f"rewards/{name}/std", nanstd(col).item())
+        total = result.weighted  # the raw rewards weighted, as TRL logs them (not the normalised sum)
+        stats.add("reward", torch.nanmean(total).item())  # NaN when no row was scored: dropped at log time, never 0
+        stats.add("reward_std", nanstd(total).item())
+        stats.add("frac_reward_zero_std", result.zero_std.float().mean().item())

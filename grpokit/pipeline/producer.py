@@ -1,0 +1,311 @@
+"""Rollouts generated ahead of the learner, with bounded staleness (``max_staleness`` > 0).
+
+The producer owns a copy of the policy (the transformers backend) or an engine with its own weights (vLLM), and
+generates generation batch ``k`` with weights at least ``v(k) - max_staleness`` optimizer steps old, where ``v(k)``
+is the optimizer step at which the learner starts training on batch ``k``. The learner publishes its weights every
+``weight_sync_steps`` optimizer steps. Every produced batch records the version that generated it and the
+generating policy's per-token log-probs, which the loss uses as its behaviour log-probs (the off-policy correction
+each loss defines: PPO's clipped ratio, VESPO's sequence weight, ...).
+
+Two modes (``staleness_mode``):
+
+- ``"bounded"``: a background thread generates as far ahead as the bound allows, with the newest weights published,
+  overlapping generation with training (what asynchronous RL frameworks do).
+- ``"exact"``: batch ``k`` is generated, in the learner's thread when it is needed, with exactly the weights of
+  version ``max(0, v(k) - max_staleness)`` (kept as snapshots): a deterministic, exact staleness, for studying its
+  effect.
+
+The producer drives the same :class:`grpokit.pipeline.RolloutPipeline` as the synchronous trainer, through its own
+driver (:class:`SamplerDriver`): it runs the sampling half (scoring, dynamic sampling) and the learner finishes each
+batch it takes. The thread that samples owns the pipeline's state (the refill position, the keep rate, the prompt
+skipper); every produced batch carries a copy of that state as it was after the batch, and a checkpoint holds the copy
+of the last batch the learner took: a resumed run produces the batches it had not trained on yet, from the same state.
+
+Metrics (TRL's async names where TRL has them): ``sample/staleness_mean``, ``sample/staleness_max``,
+``sample/staleness_<v>_total`` (how many batches were consumed at staleness ``v``), ``sample/dropped_stale_total``
+(always 0: the producer never generates beyond the bound, so nothing has to be dropped), ``perf/rollout_wait_s``
+(the learner waiting for rollouts) and ``perf/producer_idle_s`` (the producer waiting for weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..logprobs import completion_logps
+from ..rollout.base import Generation
+from .prompts import BatchRows
+from .stats import RolloutStats
+
+STALENESS_MODES = ("bounded", "exact")
+
+
+@dataclass
+class ProducedBatch:
+    index: int
+    """The generation batch's index since the start of training."""
+    version: int
+    """The optimizer step of the weights that generated it."""
+    samples: Any
+    """Its :class:`grpokit.rollout.sample.ScoredSamples` (dynamic sampling already applied)."""
+    behaviour_logps: torch.Tensor | None
+    """(N, C) the generating policy's log-probs of the completion tokens."""
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    """What producing it measured; the learner adds what finishing it measures."""
+    pipeline_state: dict[str, Any] = field(default_factory=dict)
+    """The pipeline's state right after producing it (what a checkpoint taken once the learner has it holds)."""
+
+
+class RolloutProducer:
+    """See the module docstring. ``produce(k, version)`` does the work for batch ``k`` with the sampler's current
+    weights (it is the trainer's); ``load(snapshot)`` puts published weights into the sampler (None for an engine
+    that received them at publication); ``start_of(k)`` is the optimizer step at which batch ``k`` starts training."""
+
+    def __init__(self, produce: Callable[[int, int], ProducedBatch], load: Callable[[dict], None] | None,
+                 snapshot: Callable[[], dict], start_of: Callable[[int], int], max_staleness: int, mode: str,
+                 first_index: int, version: int):
+        if mode not in STALENESS_MODES:
+            raise ValueError(f"staleness_mode={mode!r} is not supported; allowed: {', '.join(STALENESS_MODES)}")
+        self._produce, self._load, self._snapshot, self._start_of = produce, load, snapshot, start_of
+        self.max_staleness, self.mode = max_staleness, mode
+        self._next = first_index  # the next batch to produce
+        self._published = version  # newest version published
+        self._loaded = version  # the version the sampler holds
+        self._snapshots: dict[int, dict] = {}
+        self._cond = threading.Condition()
+        self._queue: queue.Queue[ProducedBatch | BaseException] = queue.Queue()
+        self._stop = False
+        self._busy = False  # the thread is generating (an engine's weights must not change meanwhile)
+        self._thread: threading.Thread | None = None
+        self.producer_idle_s = 0.0
+        self.learner_wait_s = 0.0
+
+    # -- the learner's side -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.mode == "bounded" and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="grpokit-rollout-producer", daemon=True)
+            self._thread.start()
+
+    def needed_version(self, k: int) -> int:
+        return max(0, self._start_of(k) - self.max_staleness)
+
+    def publish(self, version: int, push: Callable[[], None] | None = None) -> None:
+        """The learner's weights at ``version``: snapshot them for the sampler (or ``push`` them into an engine that
+        holds its own weights, while the producer is between batches)."""
+        with self._cond:
+            if self._load is not None:
+                self._snapshots[version] = self._snapshot()
+                self._prune()
+            elif push is not None:
+                while self._busy:
+                    self._cond.wait()
+                push()
+                self._loaded = version
+            self._published = version
+            self._cond.notify_all()
+
+    def take(self, k: int) -> ProducedBatch:
+        """Batch ``k`` (blocking until it is produced); the learner's waiting time is counted."""
+        t0 = time.perf_counter()
+        if self.mode == "exact":
+            batch = self._produce_now(k)
+        else:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"the rollout producer failed: {type(item).__name__}: {item}") from item
+            batch = item
+        self.learner_wait_s += time.perf_counter() - t0
+        if batch.index != k:
+            raise RuntimeError(f"rollout producer out of step: produced batch {batch.index}, the learner needs {k}")
+        return batch
+
+    def ready(self) -> int:
+        """How many produced batches wait for the learner."""
+        return self._queue.qsize()
+
+    def close(self) -> None:
+        """Stop the thread after the batch it is generating (if any)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # -- producing ----------------------------------------------------------------------------------------------------
+    def _produce_now(self, k: int) -> ProducedBatch:
+        with self._cond:
+            version = self._use(self.needed_version(k))
+        self._next = k + 1
+        return self._produce(k, version)
+
+    def _use(self, needed: int) -> int:
+        """Put the weights for a batch that needs at least version ``needed`` into the sampler; returns their
+        version. Exact: version ``needed`` itself. Bounded: the newest published. Called holding the lock."""
+        if self._load is None:  # the engine holds whatever was pushed last
+            return self._loaded
+        target = needed if self.mode == "exact" else self._published
+        if target != self._loaded:
+            if target not in self._snapshots:
+                raise RuntimeError(f"weights of version {target} were not published (weight_sync_steps must be 1 "
+                                   "for staleness_mode='exact')")
+            self._load(self._snapshots[target])
+            self._loaded = target
+            self._prune()
+        return self._loaded
+
+    def _prune(self) -> None:
+        """Drop snapshots no future batch can need."""
+        keep_from = min(self._loaded, self.needed_version(self._next)) if self.mode == "exact" else self._published
+        for v in [v for v in self._snapshots if v < keep_from]:
+            del self._snapshots[v]
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    k = self._next
+                    needed = self.needed_version(k)
+                    t0 = time.perf_counter()
+                    while not self._stop and self._published < needed:
+                        self._cond.wait()
+                    self.producer_idle_s += time.perf_counter() - t0
+                    if self._stop:
+                        return
+                    version = self._use(needed)
+                    self._next = k + 1
+                    self._busy = True
+                try:
+                    self._queue.put(self._produce(k, version))
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
+        except BaseException as e:  # the learner raises it on its next take()
+            self._queue.put(e)
+
+
+class SamplerDriver:
+    """The producer's :class:`grpokit.pipeline.driver.RolloutDriver` for the sampling half: generation with the
+    producer's copy of the policy (``sampler``; None for an engine holding its own weights), no collectives and no
+    LoRA merge (the copy is the producer's own)."""
+
+    lockstep = False
+
+    def __init__(self, learner, sampler: torch.nn.Module | None):
+        self.learner, self.sampler = learner, sampler
+        self.device, self.trainer_state = learner.device, learner.trainer_state
+        self.process_index, self.num_processes = learner.process_index, learner.num_processes
+
+    @property
+    def version(self) -> int:
+        return self.learner.version
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 max_new_tokens: int | None = None) -> Generation:
+        return self.learner.generate_with(self.sampler, prompt_ids, prompt_mask, max_new_tokens)
+
+    def generation_batch(self):
+        return contextlib.nullcontext()
+
+
+class AsyncRollouts:
+    """The learner's side of asynchronous rollouts: the producer's copy of the policy, what producing generation batch
+    ``k`` means (the sampling half of ``pipeline`` on the rows the dataloader would give, then the generating policy's
+    log-probs), publishing weights after optimizer steps, and the staleness metrics of each batch the learner takes.
+    ``learner``: the trainer's :class:`grpokit.pipeline.driver.RolloutDriver`."""
+
+    def __init__(self, pipeline, learner, dataset, args):
+        self.pipeline, self.learner, self.args = pipeline, learner, args
+        self.rows = BatchRows(dataset, pipeline.order, args.num_generations,
+                              args.per_device_train_batch_size * args.steps_per_generation, rank=args.process_index)
+        self.producer: RolloutProducer | None = None
+        self.sampler: torch.nn.Module | None = None
+        self._waited = self._idle = 0.0
+        self._next_index = 0
+
+    def start(self, global_step: int, generate_every: int) -> None:
+        """At train begin (a resume included): a fresh sampler from the current weights, producing from the next
+        generation batch the learner will need, from the pipeline's state as it is now (loaded from a checkpoint)."""
+        self.close()
+        a = self.args
+        holds = self.learner.holds_weights
+        if not holds:
+            self.sampler = copy.deepcopy(self.learner.policy()).eval().requires_grad_(False)
+        first = math.ceil(global_step * a.gradient_accumulation_steps / generate_every)
+        driver = SamplerDriver(self.learner, self.sampler)
+        self.producer = RolloutProducer(
+            produce=lambda k, version: self._produce(driver, k, version),
+            load=None if holds else self._load, snapshot=self._snapshot,
+            start_of=lambda k: (k * generate_every) // a.gradient_accumulation_steps,
+            max_staleness=a.max_staleness, mode=a.staleness_mode, first_index=first, version=global_step)
+        self._next_index = first
+        self.producer.start()
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+        self.sampler = None
+
+    # -- weights ----------------------------------------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return {n: p.detach().clone() for n, p in self.learner.policy().named_parameters() if p.requires_grad}
+
+    def _load(self, snapshot: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            params = dict(self.sampler.named_parameters())
+            for name, value in snapshot.items():
+                params[name].copy_(value)
+
+    def after_step(self, global_step: int) -> None:
+        """After an optimizer step: publish the weights every ``weight_sync_steps`` steps."""
+        if self.producer is None or global_step % self.args.weight_sync_steps:
+            return
+        self.producer.publish(global_step, self.learner.push_weights if self.learner.holds_weights else None)
+
+    # -- producing (in the producer's thread in bounded mode) ---------------------------------------------------------
+    def _produce(self, driver: SamplerDriver, k: int, version: int) -> ProducedBatch:
+        samples, stats = self.pipeline.sample(self.rows(k), driver)
+        behaviour = samples.generation.sampler_logps
+        if self.sampler is not None:
+            device = driver.device
+            with torch.no_grad():
+                behaviour, _ = completion_logps(
+                    self.sampler, samples.prompt_ids.to(device), samples.prompt_mask.to(device),
+                    samples.generation.completion_ids.to(device), samples.generation.completion_mask.to(device),
+                    temperature=self.args.temperature, compute_entropy=False,
+                    batch_size=self.args.per_device_train_batch_size)
+        return ProducedBatch(index=k, version=version, samples=samples, behaviour_logps=behaviour, stats=stats,
+                             pipeline_state=copy.deepcopy(self.pipeline.sampling_state_dict()))
+
+    # -- the learner taking a batch ---------------------------------------------------------------------------------
+    def next_batch(self, version: int, is_main_process: bool) -> ProducedBatch:
+        """The next generation batch for the learner (at policy ``version``), with its staleness in its stats."""
+        batch = self.producer.take(self._next_index)
+        self._next_index += 1
+        staleness = version - batch.version
+        if staleness > self.args.max_staleness:  # cannot happen: the producer waits for recent enough weights
+            raise RuntimeError(f"generation batch {batch.index} is {staleness} versions old, beyond max_staleness="
+                               f"{self.args.max_staleness}")
+        stats = batch.stats
+        stats.add("sample/staleness_mean", float(staleness))
+        stats.add("sample/staleness_max", float(staleness))
+        if is_main_process:  # counts of generation batches, each shared by every process
+            stats.add(f"sample/staleness_{staleness}_total", 1.0)
+            stats.add("sample/dropped_stale_total", 0.0)
+        waited, idle = self.producer.learner_wait_s, self.producer.producer_idle_s
+        stats.add("perf/rollout_wait_s", waited - self._waited)
+        stats.add("perf/producer_idle_s", idle - self._idle)
+        self._waited, self._idle = waited, idle
+        return batch

@@ -1,0 +1,100 @@
+"""The rollout pipeline: from a generation batch's dataset rows to the batch the loss takes.
+
+    rows ──> sample and score ──> filter ──> finish ──> RolloutBatch + RolloutStats
+             (scoring.py)        (filtering.py)  (finishing.py)
+
+The first two stages are the *sampling half*: local to a process, they run in whichever thread samples (the learner's,
+or the asynchronous producer's). Finishing makes collectives and needs the current policy, so it runs in the
+learner's thread. Everything the stages need from outside comes through a :class:`grpokit.pipeline.driver.RolloutDriver`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..batch import RolloutBatch
+from ..rollout.sample import ScoredSamples
+from .driver import RolloutDriver
+from .filtering import GroupFilter
+from .finishing import BatchFinisher
+from .prompts import PromptOrder
+from .scoring import RolloutScorer
+from .stats import RolloutStats
+
+
+class RolloutPipeline:
+    """One run's rollout side. ``group_filter``: dynamic sampling (None when off); ``order``: the run's
+    :class:`PromptOrder` (None for a dataset read as a stream); ``producer``: set by :meth:`run_ahead` for
+    asynchronous rollouts (:class:`grpokit.pipeline.producer.AsyncRollouts`).
+
+    State: the filter's (refill position, keep rate, skipped-prompt streaks), saved and restored through
+    :meth:`state_dict` / :meth:`load_state_dict` (a checkpoint part). With a producer, the producer's thread owns the
+    live state and :meth:`state_dict` gives the copy that came with the last batch the learner took."""
+
+    checkpoint_file = "grpokit_state_{process}.json"
+
+    def __init__(self, scorer: RolloutScorer, finisher: BatchFinisher, group_filter: GroupFilter | None = None,
+                 order: PromptOrder | None = None):
+        self.scorer, self.finisher, self.filter, self.order = scorer, finisher, group_filter, order
+        self.producer = None
+        self._taken_state: dict | None = None
+
+    # -- stages ------------------------------------------------------------------------------------------------------
+    def sample(self, rows: list[dict], driver: RolloutDriver, mode: str = "train") -> tuple[ScoredSamples, RolloutStats]:
+        """The sampling half: one scored completion per row, groups without reward spread replaced (dynamic sampling,
+        training only), inside the driver's generation-batch context (the LoRA merge, once)."""
+        stats = RolloutStats()
+        with driver.generation_batch():
+            if mode == "train" and self.filter is not None:
+                samples = self.filter.fill(rows, lambda some: self.scorer(some, driver, stats), stats,
+                                           driver.any_process if driver.lockstep else None)
+            else:
+                samples = self.scorer(rows, driver, stats)
+        return samples, stats
+
+    def finish(self, samples: ScoredSamples, stats: RolloutStats, driver: RolloutDriver, mode: str = "train",
+               behaviour_logps=None) -> tuple[RolloutBatch, RolloutStats]:
+        """The finishing stage (the learner's thread): advantages over every process, masks, log-probs, metrics."""
+        return self.finisher(samples, driver, mode, stats, behaviour_logps=behaviour_logps), stats
+
+    def next_batch(self, rows: list[dict], driver: RolloutDriver) -> tuple[RolloutBatch, RolloutStats]:
+        """The next training batch: from ``rows`` (the dataloader's generation batch), or, with a producer, the next
+        batch it produced from the same prompt order (``rows`` are then not used)."""
+        if self.producer is None:
+            samples, stats = self.sample(rows, driver)
+            return self.finish(samples, stats, driver)
+        produced = self.producer.next_batch(driver.version, driver.process_index == 0)
+        self._taken_state = produced.pipeline_state
+        return self.finish(produced.samples, produced.stats, driver, behaviour_logps=produced.behaviour_logps)
+
+    def evaluation_batch(self, rows: list[dict], driver: RolloutDriver) -> tuple[RolloutBatch, RolloutStats]:
+        samples, stats = self.sample(rows, driver, mode="eval")
+        return self.finish(samples, stats, driver, mode="eval")
+
+    # -- asynchronous rollouts ---------------------------------------------------------------------------------------
+    def run_ahead(self, producer) -> None:
+        """From now on, training batches come from ``producer`` (started by the caller)."""
+        self.producer = producer
+        self._taken_state = copy.deepcopy(self.sampling_state_dict())
+
+    def stop(self) -> None:
+        """Stop the producer (the state stays the copy of the last batch taken: what a later checkpoint holds)."""
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+
+    # -- state ---------------------------------------------------------------------------------------------------------
+    def sampling_state_dict(self) -> dict:
+        """The sampling half's live state (read in the thread that samples)."""
+        return self.filter.state_dict() if self.filter is not None else {}
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint holds: the state after the last batch the learner took (None: no state)."""
+        if self.filter is None:
+            return None
+        return self._taken_state if self._taken_state is not None else self.sampling_state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._taken_state = None
+        if self.filter is not None:
+            self.filter.load_state_dict(state)

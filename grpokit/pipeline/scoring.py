@@ -1,0 +1,74 @@
+"""The pipeline's sampling-and-scoring stage: dataset rows in, one scored completion per row out
+(:class:`grpokit.rollout.sample.ScoredSamples`). Local to the process (no collective), so it runs any number of
+times per generation batch (dynamic sampling's rounds) and in any thread (the asynchronous producer's)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..algorithms.advantages import overlong_penalty
+from ..rollout.base import context_length, stop_token_ids
+from ..rollout.sample import ScoredSamples, sample_and_score
+from ..tools import TurnLimits
+from .driver import RolloutDriver
+from .stats import RolloutStats
+
+
+class RolloutScorer:
+    """Generates one completion per row — with the driver's policy, through the tool loop when the trainer has tools,
+    or with the user's ``rollout_func`` (TRL's ``rollout_func(prompts, trainer)``: ``rollout_func_owner`` is the
+    ``trainer`` it receives) — and scores it with every reward function (TRL's calling convention, with
+    ``trainer_state``, ``log_metric`` and ``log_extra``); DAPO's overlong penalty joins the rewards as one more
+    column."""
+
+    def __init__(self, model: torch.nn.Module, processing_class, reward_funcs: list, reward_processing_classes: list,
+                 args, *, multiturn=None, rollout_func: Callable | None = None, rollout_func_owner: Any = None):
+        self.processing_class = processing_class
+        self.reward_funcs, self.reward_processing_classes = reward_funcs, reward_processing_classes
+        self.args, self.multiturn = args, multiturn
+        self.rollout_func, self.rollout_func_owner = rollout_func, rollout_func_owner
+        self.eos_ids = stop_token_ids(model, processing_class)
+        self.limits = TurnLimits(self.eos_ids, args.max_completion_length, context_length(model))
+
+    def __call__(self, rows: list[dict], driver: RolloutDriver, stats: RolloutStats) -> ScoredSamples:
+        a = self.args
+        extra: dict[str, list] = defaultdict(list)
+        reward_kwargs = {
+            "trainer_state": driver.trainer_state,
+            "log_metric": stats.log_reward_metric,
+            "log_extra": lambda column, values: extra[str(column)].extend(list(values)),
+        }
+        first_turn = None
+        if self.rollout_func is not None:
+            first_turn = lambda rows, tools_per_row: self._rollout_func_turn(rows, driver)  # noqa: E731
+        s = sample_and_score(rows, self.processing_class, driver.generate, self.reward_funcs,
+                             self.reward_processing_classes, chat_template_kwargs=a.chat_template_kwargs,
+                             max_prompt_length=a.max_prompt_length, device=driver.device, reward_kwargs=reward_kwargs,
+                             multiturn=self.multiturn, limits=self.limits, first_turn=first_turn)
+        if s.tool_calls is not None:
+            stats.add("tools/call_frequency", s.tool_calls / len(rows))
+            stats.add("tools/failure_frequency", s.tool_failures / s.tool_calls if s.tool_calls else 0.0)
+        s.extra_columns = {k: (list(v) + [None] * len(rows))[:len(rows)] for k, v in extra.items()}
+        if s.n_truncated_prompts:
+            stats.add("prompts/truncated_frac", s.n_truncated_prompts / len(rows))
+        if a.overlong_buffer_length is not None:
+            lengths = s.generation.completion_mask.sum(1)
+            penalty = overlong_penalty(lengths, a.max_completion_length, a.overlong_buffer_length,
+                                       a.overlong_penalty_factor)
+            s.rewards = torch.cat([s.rewards, penalty.unsqueeze(1).to(s.rewards)], 1)
+        return s
+
+    def _rollout_func_turn(self, rows: list[dict], driver: RolloutDriver) -> tuple:
+        """The prompts and first replies from ``rollout_func``; its extra fields join the rows."""
+        from ..rollout.custom import call_rollout_func, merge_fields
+
+        prepared, generation, fields = call_rollout_func(
+            self.rollout_func, [r.get("prompt") for r in rows], self.rollout_func_owner, self.processing_class,
+            self.eos_ids, use_logprobs=self.args.use_vllm,
+            has_tools=self.multiturn is not None and self.multiturn.has_tools)
+        prepared.ids, prepared.mask = prepared.ids.to(driver.device), prepared.mask.to(driver.device)
+        return prepared, generation, merge_fields(rows, fields)

@@ -1,0 +1,147 @@
+"""The trainer's side of the rollout pipeline: :class:`TrainerDriver` offers what
+:class:`grpokit.pipeline.driver.RolloutDriver` declares, from a ``GRPOTrainer``'s public parts (its model, accelerator,
+rollout backend, reference model, arguments and state), and the weights the asynchronous producer copies."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from accelerate.utils import gather_object
+
+from .logprobs import completion_logps
+from .process_group import any_process
+from .rollout.base import Generation, SamplingParams
+from .sharding import full_weights, sharding_kind, weights_for_generation
+
+
+def sampling_params(args) -> SamplingParams:
+    """The run's sampling settings (TRL's field names; ``generation_kwargs`` override them)."""
+    return SamplingParams(
+        max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, do_sample=True,
+        extra=dict(args.generation_kwargs or {}) | ({"cache_implementation": args.cache_implementation}
+                                                     if args.cache_implementation else {}),
+    )
+
+
+class TrainerDriver:
+    """The learner's driver. It owns one piece of state: the optimizer step whose weights a sampler holding its own
+    copy (vLLM) was last given (``synced_step``)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.synced_step = 0  # a sampler with its own weights (vLLM) starts from the same checkpoint
+
+    # -- what the trainer is ------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.accelerator.device
+
+    @property
+    def process_index(self) -> int:
+        return self.trainer.accelerator.process_index
+
+    @property
+    def num_processes(self) -> int:
+        return self.trainer.accelerator.num_processes
+
+    @property
+    def trainer_state(self):
+        return self.trainer.state
+
+    @property
+    def version(self) -> int:
+        return self.trainer.state.global_step
+
+    @property
+    def lockstep(self) -> bool:
+        return self.num_processes > 1 and sharding_kind(self._wrapped()) is not None
+
+    @property
+    def holds_weights(self) -> bool:
+        return getattr(self.trainer.rollout, "holds_weights", False)
+
+    def _wrapped(self) -> torch.nn.Module:
+        t = self.trainer
+        return t.model_wrapped if t.model_wrapped is not None else t.model
+
+    def policy(self) -> torch.nn.Module:
+        """The trained policy, unwrapped (what the producer copies and snapshots)."""
+        return self.trainer.accelerator.unwrap_model(self.trainer.model)
+
+    # -- sampling --------------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 max_new_tokens: int | None = None) -> Generation:
+        """Sample one completion per row with the current policy: an engine with its own copy of the weights (vLLM)
+        gets them pushed first when they changed; otherwise the trainer's model generates (sharded weights gathered
+        as ``ds3_gather_for_generation`` says)."""
+        t = self.trainer
+        wrapped, unwrapped = self._wrapped(), self.policy()
+        params = self._params(max_new_tokens)
+        if self.synced_step != t.state.global_step:  # the weights changed since the sampler last saw them
+            with full_weights(wrapped) if self.holds_weights else contextlib.nullcontext():
+                t.rollout.sync_weights(unwrapped)
+            self.synced_step = t.state.global_step
+        if self.holds_weights:
+            return t.rollout.generate(unwrapped, prompt_ids, prompt_mask, params)
+        with weights_for_generation(wrapped, unwrapped, gather=t.args.ds3_gather_for_generation) as weights:
+            params.lockstep = weights.lockstep
+            return t.rollout.generate(weights.model, prompt_ids, prompt_mask, params)
+
+    def generate_with(self, model: torch.nn.Module | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      max_new_tokens: int | None = None) -> Generation:
+        """Sample with ``model`` (the producer's copy; None: an engine holding its own weights) and the run's
+        settings."""
+        return self.trainer.rollout.generate(model if model is not None else self.policy(), prompt_ids, prompt_mask,
+                                             self._params(max_new_tokens))
+
+    def _params(self, max_new_tokens: int | None) -> SamplingParams:
+        params = sampling_params(self.trainer.args)
+        if max_new_tokens is not None:
+            params.max_new_tokens = max_new_tokens
+        return params
+
+    def generation_batch(self):
+        """The backend's ``generation_batch`` context around every generation call of one batch (the LoRA merge,
+        once, for the default backend), where the weights are not sharded; log-probs are computed after it, on the
+        restored weights."""
+        enter = getattr(self.trainer.rollout, "generation_batch", None)
+        if enter is None or sharding_kind(self._wrapped()) is not None:
+            return contextlib.nullcontext()
+        return enter(self.policy())
+
+    def push_weights(self) -> None:
+        """Give an engine holding its own weights (vLLM) the current ones (the producer calls it between batches)."""
+        with full_weights(self._wrapped()):
+            self.trainer.rollout.sync_weights(self.policy())
+
+    # -- log-probs -------------------------------------------------------------------------------------------------
+    def policy_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        a = self.trainer.args
+        return completion_logps(self.trainer.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                temperature=a.temperature, compute_entropy=False,
+                                batch_size=a.per_device_train_batch_size)[0]
+
+    def reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        t = self.trainer
+        kwargs = dict(temperature=t.args.temperature, compute_entropy=False,
+                      batch_size=t.args.per_device_train_batch_size)
+        if t.ref_model is not None:
+            return completion_logps(t.ref_model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs)[0]
+        model = self.policy()
+        with model.disable_adapter():  # PEFT: the base model is the reference
+            return completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs)[0]
+
+    # -- collectives -----------------------------------------------------------------------------------------------
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.trainer.accelerator.gather(tensor)
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.trainer.accelerator.reduce(tensor, reduction="sum")
+
+    def gather_objects(self, obj) -> list:
+        return gather_object(obj)
+
+    def any_process(self, flag: bool) -> bool:
+        return any_process(flag, self.device)
