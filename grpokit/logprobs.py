@@ -92,18 +92,32 @@ def _keep_aux(outputs, aux: list | None) -> None:
         aux.append(value)
 
 
+def head_compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the LM head's matmul runs in where the model calls it: autocast's when the model's forward runs under
+    autocast (accelerate wraps ``forward`` with it for ``bf16``/``fp16``; the head's chunked projection runs after the
+    forward has returned, outside it), else the dtype of the hidden state and the weight as ``nn.Linear`` would
+    combine them."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
 def _head_inputs(
     model: torch.nn.Module, head: torch.nn.Linear, input_ids, mask, keep: int, cache=None, position_ids=None,
-    aux: list | None = None,
+    aux: list | None = None, dtypes: list | None = None,
 ) -> torch.Tensor | None:
     """The hidden states the model hands its LM head for the last ``keep`` positions (B, keep, D), from a forward
     in which the head itself projects nothing: a pre-hook on the head keeps its input and passes on an empty slice.
     The model's own forward runs (so its wrappers do: DDP, PEFT, accelerate's autocast). None when the head was
-    not called exactly once on a (B, keep, D) input. ``aux``: a list the forward's MoE router loss is added to."""
+    not called exactly once on a (B, keep, D) input. ``aux``: a list the forward's MoE router loss is added to;
+    ``dtypes``: a list that receives the dtype the head would have computed in (:func:`head_compute_dtype`)."""
+    dtypes = [] if dtypes is None else dtypes
     seen = []
 
     def hook(module, args):
         seen.append(args[0])
+        dtypes.append(head_compute_dtype(args[0], module.weight))
         return (args[0][..., :0, :],) + tuple(args[1:])
 
     handle = head.register_forward_pre_hook(hook)
@@ -154,7 +168,7 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
 
 
 def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g: int,
-                               aux: list | None = None):
+                               aux: list | None = None, dtypes: list | None = None):
     """The head inputs (B, C, D) for predicting each completion token, with every prompt encoded once for its
     group of ``g`` identical consecutive rows (:func:`grpokit.prefix.encode_once_per_group`), then a forward over
     the completion tokens only. The same numbers as encoding every row, up to float rounding; None when a forward
@@ -162,12 +176,13 @@ def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_
     c = completion_ids.shape[1]
     cache, last = encode_once_per_group(  # `last` predicts completion token 0
         inner_causal_lm(model), prompt_ids, prompt_mask, g,
-        forward=lambda ids, mask, cache: _head_inputs(model, head, ids, mask, 1, cache=cache, aux=aux))
+        forward=lambda ids, mask, cache: _head_inputs(model, head, ids, mask, 1, cache=cache, aux=aux, dtypes=dtypes))
     if last is None:
         return None
     mask = torch.cat([prompt_mask, completion_mask], 1)
     positions = position_ids_from_mask(mask)[:, prompt_ids.shape[1]:]
-    rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions, aux=aux)
+    rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions, aux=aux,
+                        dtypes=dtypes)
     if rest is None:
         return None
     return torch.cat([last.repeat_interleave(g, 0), rest[:, :-1]], 1)
@@ -232,23 +247,26 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
     c = completion_ids.shape[1]
     valid = completion_mask.bool()
     hidden = None
+    dtypes: list[torch.dtype] = []  # the dtype the head would have run in, seen inside the model's forward
     g = group_size(prompt_ids, prompt_mask) if share else 1
     if g > 1:
         hidden = _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g,
-                                            aux=aux)
+                                            aux=aux, dtypes=dtypes)
     if hidden is None:
         if aux:
             aux.clear()
         hidden = _head_inputs(model, head, torch.cat([prompt_ids, completion_ids], 1),
-                              torch.cat([prompt_mask, completion_mask], 1), c + 1, aux=aux)
+                              torch.cat([prompt_mask, completion_mask], 1), c + 1, aux=aux, dtypes=dtypes)
         hidden = hidden[:, :-1] if hidden is not None else None
     if hidden is None:
         return None
-    hidden = hidden[valid]  # projected in the autocast dtype under autocast, else the head's (chunked_head.py)
+    hidden = hidden[valid]
+    # the blocks run in the dtype the forward ran the model in (its autocast: accelerate's for bf16=True), forward and
+    # recomputed backward; float32 for a head cast there (cast_lm_head_to_fp32)
+    dtype = torch.float32 if getattr(head, "grpokit_fp32", False) else dtypes[-1]
     lp_v, ent_v = linear_logps_and_entropy(hidden, head.weight, completion_ids[valid], head.bias,
                                            temperature=temperature, compute_entropy=compute_entropy,
-                                           entropy_grad=entropy_grad,
-                                           dtype=torch.float32 if getattr(head, "grpokit_fp32", False) else None)
+                                           entropy_grad=entropy_grad, dtype=dtype)
     zeros = lp_v.new_zeros(valid.shape)
     return zeros.masked_scatter(valid, lp_v), (zeros.masked_scatter(valid, ent_v) if compute_entropy else None)
 
