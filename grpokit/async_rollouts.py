@@ -18,6 +18,7 @@ import torch
 
 from .logprobs import completion_logps
 from .rollout.producer import GenerationBatchSource, ProducedBatch, RolloutProducer
+from .watchdog import stage
 
 
 class AsyncRollouts:
@@ -119,7 +120,8 @@ class AsyncRollouts:
     def next_batch(self):
         """The next generation batch for the learner, with its staleness logged."""
         t = self.trainer
-        batch = self.producer.take(self._next_index)
+        with stage("waiting for rollouts"):  # grpokit/watchdog.py: the producer thread marks its own stages
+            batch = self.producer.take(self._next_index)
         self._next_index += 1
         staleness = t.state.global_step - batch.version
         if staleness > t.args.max_staleness:  # cannot happen: the producer waits for recent enough weights

@@ -32,13 +32,14 @@ from .algorithms.importance import sampler_importance_ratio
 from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
 from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import TrainerHooks
+from .callbacks.stall import StallWatchdog
 from .checkpoints import CheckpointingMixin, load_rollout_buffer, save_rollout_buffer
 from .config import GRPOConfig
 from .data import GroupRepeatIterable, GroupRepeatSampler, check_dataset, check_prompt_count, is_iterable_dataset
 from .files import atomic_write_bytes, atomic_write_text
 from .logprobs import completion_logps
 from .models import cast_lm_head_to_fp32
-from .process_group import any_process
+from .process_group import any_process, stop_together
 from .reference import check_sync_ref_model, load_reference, mix_into_reference, save_reference
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.base import Generation, SamplingParams, context_length, stop_token_ids
@@ -49,6 +50,7 @@ from .rollout.transformers_backend import TransformersRollout
 from .run_dir import run_signature, save_signature
 from .sharding import full_weights, sharding_kind, weights_for_generation
 from .tools import TurnLimits
+from .user_calls import CallBounds
 from .validation import short_repr
 
 logger = logging.getLogger("grpokit")
@@ -150,6 +152,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._last_keep_rate = None  # dynamic sampling: the share of groups the last batch kept (sizes the next)
         self._prompt_skipper = prompt_skipper(args)  # dynamic sampling's GRESO filter, None when off
         self._weight_average = None  # ema_decay's average of the trained weights, made when training starts
+        self.call_bounds = CallBounds.from_config(args)  # time bounds on user code in rollouts (grpokit/user_calls.py)
         self._async = None
         if args.max_staleness > 0:
             from .async_rollouts import AsyncRollouts
@@ -160,6 +163,9 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self.add_callback(TrainerHooks(self))
+        self._stall = StallWatchdog(self) if args.stall_timeout_s is not None else None  # grpokit/watchdog.py
+        if self._stall is not None:
+            self.add_callback(self._stall)
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
         for i, func in enumerate(self.reward_funcs):
@@ -255,6 +261,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def end_training(self, completed: bool = False) -> None:
         """After training, normally or not: the rollout producer stops; a run that completed (not interrupted, no
         error) gets ``ema_decay``'s averaged weights."""
+        if self._stall is not None:
+            self._stall.stop()
         if self._async is not None:
             self._async.close()
         if completed and self._weight_average is not None:
@@ -483,7 +491,9 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         s = sample_and_score(rows, self.processing_class, generate, self.reward_funcs, self.reward_processing_classes,
                              chat_template_kwargs=a.chat_template_kwargs, max_prompt_length=a.max_prompt_length,
                              device=self.accelerator.device, reward_kwargs=reward_kwargs, multiturn=self.multiturn,
-                             limits=limits, first_turn=self._rollout_func_turn if self.rollout_func is not None else None)
+                             limits=limits, first_turn=self._rollout_func_turn if self.rollout_func is not None else None,
+                             bounds=self.call_bounds)
+        logs["metrics"] += list(s.incidents.counts.items())  # timeouts, cut tool results
         if s.tool_calls is not None:
             logs["metrics"] += [("tools/call_frequency", s.tool_calls / len(rows)),
                                 ("tools/failure_frequency", s.tool_failures / s.tool_calls if s.tool_calls else 0.0)]
@@ -572,6 +582,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         ``behaviour_logps``: the log-probs of the policy that generated the batch, when that is not the current one
         (asynchronous rollouts)."""
         a, device = self.args, self.accelerator.device
+        stop_together(s.incidents.stop_cause, device)  # a stop a user-code timeout asked for: every rank, together
         self._flush_reward_logs(mode)
         gen = s.generation
         completion_mask = gen.completion_mask.to(device)
