@@ -261,10 +261,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def end_training(self, completed: bool = False) -> None:
         """After training, normally or not: the rollout producer stops; a run that completed (not interrupted, no
         error) gets ``ema_decay``'s averaged weights."""
-        if self._stall is not None:
-            self._stall.stop()
         if self._async is not None:
             self._async.close()
+        if self._stall is not None:  # after the producer's last batch: the watchdog also watches that
+            self._stall.stop()
         if completed and self._weight_average is not None:
             self._weight_average.copy_to_model()
 

@@ -8,7 +8,8 @@ it. When the bound passes, the caller raises :class:`CallTimeout` and *abandons*
 in the background until the user code returns by itself (if ever), its result or error is discarded, and it holds
 whatever it allocated and, if it computes, a share of the CPU (and of Python's GIL) until then. Daemon threads never
 keep the process alive at exit. Coroutines (``async`` rewards and tools) are cancelled at their bound when they
-await; one that blocks its event loop is abandoned like a thread.
+await; one that blocks its event loop (a synchronous wait inside ``async def``) is abandoned like a thread, with
+every coroutine on that loop.
 
 Two guards keep abandoned calls from piling up:
 
@@ -62,7 +63,7 @@ class CallTimeout(RuntimeError):
     """A call into user code did not return within its bound (or was refused because earlier ones still run)."""
 
     def __init__(self, what: str, seconds: float | None, where: str = "", *, reason: str | None = None):
-        self.what, self.seconds, self.where = what, seconds, where
+        self.what, self.seconds, self.where, self.reason = what, seconds, where, reason
         text = reason or f"did not return within {seconds:g} s"
         super().__init__(f"{what} {text}{where}")
 
@@ -147,6 +148,7 @@ def call(fn: Callable, *, timeout_s: float | None, what: str, where: str = "", a
             with torch.set_grad_enabled(grad) if grad is not None else contextlib.nullcontext():
                 result = fn(*args, **kwargs)
             if await_result and inspect.isawaitable(result):
+                box["awaiting"] = True
                 try:
                     result = asyncio.run(_awaited(result, max(0.0, deadline - time.monotonic())))
                 except asyncio.TimeoutError:
@@ -169,7 +171,8 @@ def call(fn: Callable, *, timeout_s: float | None, what: str, where: str = "", a
         raise CallTimeout(what, timeout_s, where, reason=refused)
     thread = threading.Thread(target=run, name=f"grpokit-call: {what}"[:60], daemon=True)
     thread.start()
-    done.wait(timeout_s)
+    if not done.wait(timeout_s) and box.get("awaiting"):
+        done.wait(ASYNC_GRACE_S)  # a coroutine is being cancelled at the bound: let it finish unwinding
     with _lock:
         if not done.is_set():
             state["abandoned"] = True
@@ -264,6 +267,8 @@ def call_many(calls: list[Callable[[], Any]], timeout_s: float | None, whats: li
         def run(i=i, fn=fn) -> None:
             try:
                 out[i] = call(fn, timeout_s=max(0.0, deadline - time.monotonic()), what=whats[i], where=wheres[i])
+            except CallTimeout as e:  # said with the bound, not the time that was left of it
+                out[i] = CallTimeout(e.what, timeout_s, e.where, reason=e.reason)
             except Exception as e:  # noqa: BLE001 - returned per call
                 out[i] = e
 

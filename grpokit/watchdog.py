@@ -118,6 +118,7 @@ class Watchdog:
         self.poll_s = poll_s if poll_s is not None else min(5.0, max(0.05, stall_s / 10))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reported: tuple[float, float] | None = None
 
     def start(self) -> None:
         self.board.progress()
@@ -132,13 +133,18 @@ class Watchdog:
         self._thread = None
 
     def _run(self) -> None:
-        reported = None
         while not self._stop.wait(self.poll_s):
-            last = self.board.last_progress
-            idle = time.monotonic() - last
-            if idle < self.stall_s:
-                continue
-            if reported is not None and reported[0] == last and idle < reported[1] + self.stall_s:
-                continue  # this stall was reported less than stall_s ago
-            reported = (last, idle)
-            self.on_stall(idle)
+            self.check()
+
+    def check(self, now: float | None = None) -> bool:
+        """One look at the board (the thread's, every ``poll_s``): call ``on_stall`` if due; whether it was."""
+        now = time.monotonic() if now is None else now
+        last = self.board.last_progress
+        idle = now - last
+        if idle < self.stall_s:
+            return False
+        if self._reported is not None and self._reported[0] == last and idle < self._reported[1] + self.stall_s:
+            return False  # this stall was reported less than stall_s ago
+        self._reported = (last, idle)
+        self.on_stall(idle)
+        return True

@@ -134,8 +134,8 @@ def reward_timed_out(error: CallTimeout, name: str, bounds: CallBounds, incident
         incidents.stop(f"{error} (reward_timeout_action='stop')", bounds)
         logger.error("grpokit: %s; the run stops after this batch (reward_timeout_action='stop')", error)
     else:
-        logger.warning("grpokit: %s; those rows get None from it (reward_timeout_action='none'); the call is abandoned "
-                       "and may keep running in the background", error)
+        logger.warning("grpokit: %s; it counts as None there (reward_timeout_action='none')%s", error,
+                       "" if error.reason else "; the call is abandoned and may keep running in the background")
 
 
 @torch.no_grad()

@@ -3,6 +3,7 @@ held-out evaluation (tokenise → generate → decode → score)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ from ..rewards.scoring import score_completions
 from ..user_calls import CallBounds, CallTimeout, Incidents, call
 from ..watchdog import stage
 from .base import Generation
+
+logger = logging.getLogger("grpokit")
 
 
 @dataclass
@@ -231,6 +234,7 @@ def _first_turn(first_turn: Callable, rows: list[dict], tools_per_row, tokenizer
         except CallTimeout as e:
             incidents.count("rollout_func/timeout_total")
             incidents.stop(f"{e}; a rollout_func that times out stops the run (nothing to train on)", bounds)
+            logger.error("grpokit: %s; the run stops after this batch (nothing to train on)", e)
     prepared = prepare_prompts(rows, tokenizer, **prompt_args)
     n = len(rows)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id

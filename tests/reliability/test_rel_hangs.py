@@ -1,0 +1,243 @@
+"""Nothing hangs (one process; tests/distributed/test_hangs_two_ranks.py has two): a reward function, a judge, a tool,
+an environment's reset / tool method / get_reward and a rollout_func that never return, synchronous and asynchronous
+(max_staleness=1). Each is abandoned at its bound, counted and named; rewards give None or a stop, as the config
+says; tools become a message to the model; a busy environment is replaced. Tool results and observations are cut.
+The watchdog names the stuck stage and saves a checkpoint.
+
+Every hanging function is a tests/hang.py Hang, released when its test ends: a bound that never fires fails the test
+after HANG_GUARD_S instead of hanging the suite."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+from datasets import Dataset
+from hang import Hang
+from reliability_helpers import make_args, make_trainer, varied_reward
+from scripted_tools import ScriptedBackend, tokenizer
+from tiny import tiny_model
+
+from grpokit.checkpoints import verify_checkpoint
+from grpokit.trainer import GRPOTrainer
+from grpokit.user_calls import RunStopped
+
+BOUND = 0.5  # seconds: every bound in these runs (user code that returns takes microseconds here)
+HANGS: dict[str, Hang] = {}
+
+
+@pytest.fixture(autouse=True)
+def hangs():
+    """Fresh hanging functions for each test, released when it ends (their abandoned threads then finish)."""
+    HANGS.clear()
+    HANGS.update({name: Hang(result=1.0, name=name) for name in ("reset", "poke", "get_reward", "wait_for_it")})
+    yield HANGS
+    for h in HANGS.values():
+        h.release()
+
+
+def wait_for_it(seconds: int) -> str:
+    """Wait for something that never comes.
+
+    Args:
+        seconds: how long to wait
+    """
+    HANGS["wait_for_it"]()
+    return "came"
+
+
+class Flaky:
+    """An environment whose row says which of its calls hangs: ``mode`` is ok, reset_hangs, poke_hangs or
+    reward_hangs."""
+
+    made = 0
+
+    def __init__(self):
+        Flaky.made += 1
+
+    def reset(self, **row):
+        self.mode = row["mode"]
+        if self.mode == "reset_hangs":
+            HANGS["reset"]()
+        return " Begin."
+
+    def poke(self) -> str:
+        """Poke the environment."""
+        if self.mode == "poke_hangs":
+            HANGS["poke"]()
+        return "poked"
+
+    def get_reward(self) -> float:
+        if self.mode == "reward_hangs":
+            HANGS["get_reward"]()
+        return 1.0
+
+
+MODES = ["ok", "reset_hangs", "poke_hangs", "reward_hangs"]
+POKE = '<tool_call>{"name": "poke", "arguments": {}}</tool_call>'
+WAIT = '<tool_call>{"name": "wait_for_it", "arguments": {"seconds": 5}}</tool_call>'
+
+
+def agent_trainer(tmp_path, reward_funcs, **kw):
+    """Four prompts × two completions a step, one per mode (in order); even rows poke their environment, odd rows
+    call wait_for_it; then every reply answers."""
+    tok = tokenizer()
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Go {i}."}] for i in range(8)],
+                            "mode": MODES * 2})
+    args = make_args(tmp_path / "out", per_device_train_batch_size=8, num_generations=2, max_completion_length=400,
+                     shuffle_dataset=False, reward_timeout_s=BOUND, tool_timeout_s=BOUND, **kw)
+    backend = ScriptedBackend(tok, first=lambda i: POKE if i % 2 == 0 else WAIT)
+    return GRPOTrainer(tiny_model(tok, max_positions=2048), reward_funcs, args=args, train_dataset=ds,
+                       processing_class=tok, tools=[wait_for_it], environment_factory=Flaky, rollout_backend=backend)
+
+
+def record_batches(trainer) -> list:
+    seen = []
+    finish = trainer._finish_batch
+
+    def spy(s, mode, *a, **kw):
+        seen.append(s)
+        return finish(s, mode, *a, **kw)
+
+    trainer._finish_batch = spy
+    return seen
+
+
+@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async"])
+def test_hanging_rewards_tools_and_environments_are_abandoned_counted_and_named(tmp_path, caplog, staleness):
+    judge = Hang(result=None, name="stuck_judge")
+    HANGS["judge"] = judge
+    Flaky.made = 0
+    steps = 1 if staleness else 2  # two batches show the pool's fresh instances; the producer's one its thread
+    trainer = agent_trainer(tmp_path, [varied_reward, judge], max_staleness=staleness, max_steps=steps)
+    batches = record_batches(trainer)
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        trainer.train()
+    assert trainer.state.global_step == steps and len(batches) == steps
+    nan = math.nan
+    for s in batches:  # columns: varied_reward, stuck_judge, Flaky (the environments' get_reward)
+        assert s.rewards[:, 1].isnan().all()  # the judge timed out: None for every row
+        env = s.rewards[:, 2].tolist()
+        assert [x if x == x else nan for x in env] == pytest.approx([1, 1, nan, nan, nan, 1, nan, nan], nan_ok=True)
+        messages = [[m["content"] for m in c if m["role"] == "tool"] for c in s.completions]
+        assert messages[0] == ["poked"]
+        assert messages[4] == [str({"error": f"tool 'poke' did not return within {BOUND:g} s"})]
+        assert "was not called: an earlier call on the same Flaky timed out" in messages[2][0]  # its reset hung
+        assert all(m == [str({"error": f"tool 'wait_for_it' did not return within {BOUND:g} s"})]
+                   for m in messages[1::2])
+        assert "Begin." in s.prompt_texts[0] and "Begin." not in s.prompt_texts[2]  # no observation after a hung reset
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    for log in logs:
+        assert log["rewards/stuck_judge/timeout_total"] == 1 and "rewards/stuck_judge/mean" not in log
+        assert log["rewards/Flaky/timeout_total"] == 5  # 2 hung get_reward, 3 refused on busy environments
+        assert log["tools/reset/timeout_total"] == 2 and log["tools/poke/timeout_total"] == 2
+        assert log["tools/wait_for_it/timeout_total"] == 4 and log["tools/timeout_total"] == 8
+        assert log["tools/failure_frequency"] == pytest.approx(6 / 8)
+    produced = HANGS["reset"].calls // 2  # asynchronous rollouts may make one batch more before they are closed
+    assert produced == steps or (staleness and produced == steps + 1)
+    assert Flaky.made == 1 + 7 + 5 * (produced - 1)  # the probe, the first batch's others, then 5 fresh ones a batch
+    text = caplog.text
+    assert (f"reward function 'stuck_judge' did not return within {BOUND:g} s on the batch of 8 completions (rows 0-7; "
+            "first prompt 'Go 0.") in text and "it counts as None there (reward_timeout_action='none'); the call is" in text
+    assert f"Flaky.reset() did not return within {BOUND:g} s on row 2 of 8" in text
+    assert f"Flaky.get_reward() did not return within {BOUND:g} s on row 6 of 8" in text
+    assert f"tool 'wait_for_it' did not return within {BOUND:g} s (row 1)" in text
+
+
+def stuck_rollout(prompts, trainer):
+    HANGS["reset"]()  # any Hang: never released while the run lasts
+
+
+@pytest.mark.parametrize("staleness,what", [(0, "reward"), (1, "reward"), (0, "rollout_func"), (1, "rollout_func")],
+                         ids=["sync-reward", "async-reward", "sync-rollout_func", "async-rollout_func"])
+def test_a_timeout_that_must_stop_the_run_stops_it_with_the_cause(tmp_path, staleness, what):
+    judge = Hang(result=None, name="stuck_judge")
+    HANGS["judge"] = judge
+    kw = dict(max_staleness=staleness, reward_timeout_s=BOUND)
+    if what == "reward":
+        trainer = make_trainer(tmp_path / "out", reward=[varied_reward, judge], reward_timeout_action="stop", **kw)
+    else:
+        tok = tokenizer()
+        trainer = GRPOTrainer(tiny_model(tok), varied_reward, args=make_args(tmp_path / "out", **kw),
+                              train_dataset=Dataset.from_dict({"prompt": [f"Say {i}." for i in range(8)]}),
+                              processing_class=tok, rollout_func=stuck_rollout)
+    with pytest.raises(RunStopped) as e:
+        trainer.train()
+    if what == "reward":
+        assert str(e.value).startswith(f"the run stopped: reward function 'stuck_judge' did not return within "
+                                       f"{BOUND:g} s on the batch of 4 completions (rows 0-3; first prompt")
+        assert str(e.value).endswith("(reward_timeout_action='stop')")
+        assert judge.calls == 1  # once stopping, no more user code is called
+    else:
+        assert str(e.value) == (f"the run stopped: rollout_func did not return within {BOUND:g} s on 4 prompts; a "
+                                "rollout_func that times out stops the run (nothing to train on)")
+        assert HANGS["reset"].calls == 1
+    assert trainer.state.global_step == 0
+
+
+def chatty_dump(what: str) -> str:
+    """Print a lot.
+
+    Args:
+        what: what to print
+    """
+    return "x" * 10_000_000
+
+
+class Chatty:
+    def reset(self, **row):
+        return " " + "y" * 100_000
+
+
+def test_long_tool_results_and_observations_are_cut_and_the_budget_holds(tmp_path):
+    tok = tokenizer()
+    call = '<tool_call>{"name": "chatty_dump", "arguments": {"what": "all"}}</tool_call>'
+    args = make_args(tmp_path / "out", max_completion_length=300, max_steps=1, max_tool_result_chars=50)
+    trainer = GRPOTrainer(tiny_model(tok, max_positions=4096), varied_reward, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Go {i}."}]
+                                                                      for i in range(4)]}),
+                          processing_class=tok, tools=[chatty_dump], environment_factory=Chatty,
+                          rollout_backend=ScriptedBackend(tok, first=lambda i: call))
+    batches = record_batches(trainer)
+    trainer.train()
+    s = batches[0]
+    marker = "[... cut by grpokit: 10,000,000 characters, the first 50 shown]"
+    assert all(c[1]["content"] == "x" * 50 + "\n" + marker for c in s.completions)
+    assert " " + "y" * 49 + "\n[... cut by grpokit: 100,001 characters, the first 50 shown]" in s.prompt_texts[0]
+    assert "y" * 50 not in s.prompt_texts[0]
+    assert s.generation.completion_mask.sum(1).max() <= 300  # the whole completion stays within the budget
+    log = [h for h in trainer.state.log_history if "reward" in h][0]
+    assert log["tools/truncated_total"] == 8  # 4 observations, 4 results
+    assert math.isfinite(log["loss"])
+
+
+def test_the_watchdog_names_the_stuck_stage_and_saves_a_checkpoint(tmp_path):
+    """With every bound off, a reward that hangs at step 2: the watchdog reports where the run is stuck, saves
+    checkpoint-1 from its own thread and ends the process (here a stand-in exit that records the status and lets the
+    reward return; tests/cli has the real exit)."""
+    stuck = Hang(result=lambda completions, **kw: [0.0] * len(completions), name="slow_judge")
+    HANGS["judge"] = stuck
+
+    def slow_judge(completions, **kw):
+        return stuck(completions) if kw["trainer_state"].global_step == 1 else [0.0] * len(completions)
+
+    trainer = make_trainer(tmp_path / "out", reward=[varied_reward, slow_judge], reward_timeout_s=None,
+                           stall_timeout_s=0.5, stall_action="save_and_exit", max_steps=2)
+    exits = []
+
+    def stand_in_exit(code):  # on a very slow machine an earlier, genuine stall may come first: only this one releases
+        exits.append(code)
+        if "scoring (function 'slow_judge')" in trainer._stall.reports[-2]:
+            stuck.release()
+
+    trainer._stall._exit = stand_in_exit
+    trainer.train()
+    assert exits[-1] == 124 and trainer.state.global_step == 2
+    report, outcome = trainer._stall.reports[-2:]
+    assert report.startswith("grpokit: no progress for ") and "(stall_timeout_s=0.5) at step 1, rank 0 of 1: " in report
+    assert "MainThread: scoring (function 'slow_judge') for " in report
+    assert outcome == (f"grpokit: checkpoint saved to {tmp_path / 'out'}/checkpoint-1; continue with --resume (Python: "
+                       "resume_from_checkpoint='auto'); exiting with status 124 (stall_action='save_and_exit')")
+    assert verify_checkpoint(tmp_path / "out" / "checkpoint-1") == 1
+    assert trainer._stall._dog is None  # stopped with training
