@@ -241,3 +241,49 @@ def test_the_watchdog_names_the_stuck_stage_and_saves_a_checkpoint(tmp_path):
                        "resume_from_checkpoint='auto'); exiting with status 124 (stall_action='save_and_exit')")
     assert verify_checkpoint(tmp_path / "out" / "checkpoint-1") == 1
     assert trainer._stall._dog is None  # stopped with training
+
+
+SLOW_REWARDS = '''import time
+
+
+def slow(completions, trainer_state, **kw):
+    """Hangs at the second step (and at every step after a resume at 1)."""
+    if trainer_state.global_step >= 1:
+        time.sleep(10 ** 6)
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.mark.slow
+def test_cli_the_watchdog_saves_exits_124_and_the_run_resumes(tmp_path, tiny_dir):
+    """The real exit, through ``grpokit train``: a reward that hangs with every bound off; the watchdog reports,
+    saves checkpoint-1 and ends the process with 124; ``--resume`` with a reward bound then finishes the run."""
+    import subprocess
+    import sys
+
+    import yaml
+    from hang import HANG_S
+
+    (tmp_path / "slow_rewards.py").write_text(SLOW_REWARDS)
+    out = tmp_path / "out"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": str(tiny_dir), "task": "arithmetic", "reward_funcs": ["correctness", "slow_rewards:slow"],
+        "output_dir": str(out), "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 6,
+        "max_steps": 3, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "use_cpu": True,
+        "gradient_checkpointing": False, "eval": {"before": False, "after": False}, "reward_timeout_s": None,
+        "stall_timeout_s": 3, "stall_action": "save_and_exit"}))
+
+    def train(*flags):
+        return subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(cfg), "--quiet", *flags],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
+
+    r = train()
+    assert r.returncode == 124, r.stderr[-3000:]
+    assert "at step 1, rank 0 of 1: MainThread: scoring (function 'slow') for " in r.stderr
+    assert f"grpokit: checkpoint saved to {out}/checkpoint-1; continue with --resume" in r.stderr
+    assert verify_checkpoint(out / "checkpoint-1") == 1
+    r = train("--resume", "--set", "reward_timeout_s=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "reward function 'slow' did not return within 1 s" in r.stderr
+    assert (out / "final").is_dir()
