@@ -55,9 +55,7 @@ def evaluate(
     reply up to ``max_new_tokens`` and all turns together up to ``max_completion_length`` (default
     ``max_new_tokens``); ``summary`` then has ``tool_calls_per_row`` and ``tool_failure_rate``.
 
-    ``bounds`` (:class:`grpokit.user_calls.CallBounds`, default its defaults) bound the reward functions, tools and
-    environments as in training; a reward that times out with ``reward_timeout_action="stop"`` raises
-    :class:`grpokit.user_calls.RunStopped`.
+    ``bounds``: time bounds on user code, as in training (a stop raises :class:`grpokit.user_calls.RunStopped`).
 
     ``batch_size`` prompts are generated together (more is faster where memory allows: on a 2-core CPU 128 rows of
     SmolLM2 take 2.5× the time of 32: benchmarks/RESULTS.md), and a LoRA adapter is folded into the weights once for all of them.

@@ -31,8 +31,7 @@ from .algorithms.entropy import AdaptiveEntropyCoef, entropy_bonus
 from .algorithms.importance import sampler_importance_ratio
 from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
 from .batch import RolloutBatch, RolloutBuffer
-from .callbacks import TrainerHooks
-from .callbacks.stall import StallWatchdog
+from .callbacks import install_hooks
 from .checkpoints import CheckpointingMixin, load_rollout_buffer, save_rollout_buffer
 from .config import GRPOConfig
 from .data import GroupRepeatIterable, GroupRepeatSampler, check_dataset, check_prompt_count, is_iterable_dataset
@@ -152,7 +151,6 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self._last_keep_rate = None  # dynamic sampling: the share of groups the last batch kept (sizes the next)
         self._prompt_skipper = prompt_skipper(args)  # dynamic sampling's GRESO filter, None when off
         self._weight_average = None  # ema_decay's average of the trained weights, made when training starts
-        self.call_bounds = CallBounds.from_config(args)  # time bounds on user code in rollouts (grpokit/user_calls.py)
         self._async = None
         if args.max_staleness > 0:
             from .async_rollouts import AsyncRollouts
@@ -162,10 +160,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self.add_callback(TrainerHooks(self))
-        self._stall = StallWatchdog(self) if args.stall_timeout_s is not None else None  # grpokit/watchdog.py
-        if self._stall is not None:
-            self.add_callback(self._stall)
+        self._stall = install_hooks(self)  # TrainerHooks, and with stall_timeout_s the watchdog (grpokit/watchdog.py)
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
         for i, func in enumerate(self.reward_funcs):
@@ -183,6 +178,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             user = resolve_reward_funcs(reward_funcs)
         check_reward_weights(args.reward_weights, [reward_func_name(f) for f in user])
         self.reward_funcs = user + extra
+        self.call_bounds = CallBounds.from_config(args)  # time bounds on user code in rollouts (grpokit/user_calls.py)
         if reward_processing_classes is None:
             reward_processing_classes = [None] * len(user)
         elif not isinstance(reward_processing_classes, (list, tuple)):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from transformers import TrainerCallback
 
-from .. import watchdog
+from ..watchdog import BOARD, Watchdog, describe, progress
 
 logger = logging.getLogger("grpokit")
 
@@ -31,24 +31,24 @@ ROLLOUT_STAGES = ("generation", "rollout_func", "environment", "tool", "scoring"
 
 
 class StallWatchdog(TrainerCallback):
-    """Runs a :class:`grpokit.watchdog.Watchdog` while ``train()`` runs; ``exit`` ends the process (a test passes
+    """Runs a :class:`grpokit.Watchdog` while ``train()`` runs; ``exit`` ends the process (a test passes
     its own)."""
 
     def __init__(self, trainer, exit: Callable[[int], None] = os._exit):
         self.trainer = trainer
         self._exit = exit
-        self._dog: watchdog.Watchdog | None = None
+        self._dog: Watchdog | None = None
         self._training_thread: int | None = None
         self.reports: list[str] = []
 
     def on_train_begin(self, args, state, control, **kw):
         self.stop()
         self._training_thread = threading.get_ident()
-        self._dog = watchdog.Watchdog(float(args.stall_timeout_s), self.stalled)
+        self._dog = Watchdog(float(args.stall_timeout_s), self.stalled)
         self._dog.start()
 
     def on_step_end(self, args, state, control, **kw):
-        watchdog.progress()
+        progress()
 
     def stop(self) -> None:
         """Stop watching (the end of training, normal or not)."""
@@ -59,7 +59,7 @@ class StallWatchdog(TrainerCallback):
     def stalled(self, idle_s: float) -> None:
         t, a = self.trainer, self.trainer.args
         line = (f"grpokit: no progress for {idle_s:.0f} s (stall_timeout_s={a.stall_timeout_s:g}) at step "
-                f"{t.state.global_step}, rank {a.process_index} of {a.world_size}: {watchdog.describe()}")
+                f"{t.state.global_step}, rank {a.process_index} of {a.world_size}: {describe()}")
         self._say(line)
         if a.stall_action != "save_and_exit":
             return
@@ -77,7 +77,7 @@ class StallWatchdog(TrainerCallback):
         if t.args.world_size > 1:
             return (f"no checkpoint written (under {t.args.world_size} processes a checkpoint needs every rank, and "
                     f"they are waiting for one another); {keep}")
-        where = watchdog.BOARD.innermost(self._training_thread) if self._training_thread is not None else None
+        where = BOARD.innermost(self._training_thread) if self._training_thread is not None else None
         if where not in ROLLOUT_STAGES:
             return f"no checkpoint written (the training thread is not in a rollout stage: its weights may be " \
                    f"mid-update); {keep}"
