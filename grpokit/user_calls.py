@@ -13,9 +13,10 @@ every coroutine on that loop.
 
 Two guards keep abandoned calls from piling up:
 
-* an object whose call was abandoned (an environment instance: ``fn.__self__`` of a bound method) is *busy* while
-  that call still runs: further calls on it are refused at once (a :class:`CallTimeout` saying so) instead of running
-  beside the abandoned one, and :func:`is_busy` tells its owner to make a fresh one;
+* an object whose call was abandoned (the ``owner`` of the call: an environment instance) is *busy* while that
+  call still runs: further calls on it are refused at once (a :class:`CallTimeout` saying so) instead of running
+  beside the abandoned one, and :func:`is_busy` tells its owner to make a fresh one (reward functions and
+  ``tools=`` have no owner: they are called concurrently anyway);
 * at most :data:`MAX_ABANDONED` abandoned calls may be running at once; past that, bounded calls are refused at once
   (counted as timeouts) until some of them end.
 
@@ -124,11 +125,9 @@ def call(fn: Callable, *, timeout_s: float | None, what: str, where: str = "", a
     """``fn(*args, **kwargs)`` within ``timeout_s`` seconds (module docstring). An awaitable result is awaited in the
     same bound (``await_result``; else it is returned as it is, to be run by :func:`gather`). Exceptions of ``fn``
     are raised as they are. Raises :class:`CallTimeout` (``what`` names the function, ``where`` the rows) when the
-    bound passes or the call is refused. ``owner``: the object the call works on (default: a bound method's
-    ``__self__``, also through ``functools.partial``)."""
+    bound passes or the call is refused. ``owner``: the object the call works on, when calls on it must not overlap
+    (an environment instance: refused while an abandoned call on it runs)."""
     kwargs = kwargs or {}
-    if owner is None:
-        owner = getattr(getattr(fn, "func", fn), "__self__", None)
     if timeout_s is None:
         with _lock:
             busy = owner is not None and _busy.get(id(owner), 0) > 0
@@ -248,16 +247,18 @@ def _run_loop(make: Callable) -> None:
 
 
 def call_many(calls: list[Callable[[], Any]], timeout_s: float | None, whats: list[str],
-              wheres: list[str] | None = None, concurrent: bool = True) -> list:
+              wheres: list[str] | None = None, concurrent: bool = True, owners: list | None = None) -> list:
     """Every call of ``calls``, each within ``timeout_s``: per call its result, the exception it raised, or a
     :class:`CallTimeout`. ``concurrent``: each in a thread of its own, all within ``timeout_s`` of the start; else
-    one after another in their order (what a shared random generator draws stays deterministic)."""
+    one after another in their order (what a shared random generator draws stays deterministic). ``owners``: each
+    call's owner (:func:`call`)."""
     wheres = wheres or [""] * len(calls)
+    owners = owners or [None] * len(calls)
     out: list[Any] = [None] * len(calls)
     if timeout_s is None or len(calls) <= 1 or not concurrent:
         for i, fn in enumerate(calls):
             try:
-                out[i] = call(fn, timeout_s=timeout_s, what=whats[i], where=wheres[i])
+                out[i] = call(fn, timeout_s=timeout_s, what=whats[i], where=wheres[i], owner=owners[i])
             except Exception as e:  # noqa: BLE001 - returned per call
                 out[i] = e
         return out
@@ -266,7 +267,8 @@ def call_many(calls: list[Callable[[], Any]], timeout_s: float | None, whats: li
     for i, fn in enumerate(calls):
         def run(i=i, fn=fn) -> None:
             try:
-                out[i] = call(fn, timeout_s=max(0.0, deadline - time.monotonic()), what=whats[i], where=wheres[i])
+                out[i] = call(fn, timeout_s=max(0.0, deadline - time.monotonic()), what=whats[i], where=wheres[i],
+                              owner=owners[i])
             except CallTimeout as e:  # said with the bound, not the time that was left of it
                 out[i] = CallTimeout(e.what, timeout_s, e.where, reason=e.reason)
             except Exception as e:  # noqa: BLE001 - returned per call

@@ -70,16 +70,17 @@ def test_an_abandoned_calls_object_is_busy_until_it_ends(hang):
 
     env, other = Env(), Env()
     with pytest.raises(CallTimeout):
-        call(env.step, timeout_s=BOUND, what="tool 'step'")
+        call(env.step, timeout_s=BOUND, what="tool 'step'", owner=env)
     assert is_busy(env) and not is_busy(other)
     with pytest.raises(CallTimeout, match="was not called: an earlier call on the same Env timed out and is still run"):
-        call(env.look, timeout_s=BOUND, what="tool 'look'")
+        call(env.look, timeout_s=BOUND, what="tool 'look'", owner=env)
     with pytest.raises(CallTimeout, match="was not called"):  # unbounded calls too
-        call(env.look, timeout_s=None, what="tool 'look'")
-    assert call(other.look, timeout_s=ROOMY, what="tool 'look'") == "fine"
+        call(env.look, timeout_s=None, what="tool 'look'", owner=env)
+    assert call(other.look, timeout_s=ROOMY, what="tool 'look'", owner=other) == "fine"
+    assert call(env.look, timeout_s=ROOMY, what="tool 'look'") == "fine"  # without an owner nothing is refused
     hang.release()
     wait_until(lambda: not is_busy(env), "the environment becoming free")
-    assert call(env.look, timeout_s=ROOMY, what="tool 'look'") == "fine"
+    assert call(env.look, timeout_s=ROOMY, what="tool 'look'", owner=env) == "fine"
 
 
 def test_at_most_max_abandoned_calls_run(hang, monkeypatch):

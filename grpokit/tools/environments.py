@@ -123,7 +123,7 @@ class EnvironmentReward:
         mine = [i for i, e in enumerate(envs) if type(e) is self.cls]
         what = f"{self.__name__}.get_reward()"
         values = call_many([envs[i].get_reward for i in mine], bounds.tool_timeout_s, [what] * len(mine),
-                           [f" on row {i} of {len(envs)}" for i in mine])
+                           [f" on row {i} of {len(envs)}" for i in mine], owners=[envs[i] for i in mine])
         out: list = [None] * len(envs)
         for i, value in zip(mine, values):
             if isinstance(value, CallTimeout):
@@ -144,7 +144,7 @@ def reset_all(instances: list, rows: list[dict], bounds: CallBounds, incidents: 
     whats = [f"{type(e).__name__}.reset()" for e in instances]
     calls = [functools.partial(e.reset, **r) for e, r in zip(instances, rows)]
     values = call_many(calls, bounds.tool_timeout_s, whats, [f" on row {i} of {len(rows)}" for i in range(len(rows))],
-                       concurrent=False)
+                       concurrent=False, owners=instances)
     out = []
     for value in values:
         if isinstance(value, CallTimeout):

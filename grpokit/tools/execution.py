@@ -53,7 +53,7 @@ def truncate_result(content: Any, max_chars: int | None) -> tuple[Any, int]:
 
 
 def _run_one(tool_call: dict[str, Any], tools: dict[str, Callable], timeout_s: float | None = None,
-             max_chars: int | None = None, row: int | None = None) -> ToolResult:
+             max_chars: int | None = None, row: int | None = None, environment: Any = None) -> ToolResult:
     fn_spec = tool_call.get("function", {})
     name = str(fn_spec.get("name", "unknown"))
     if "error" in tool_call:
@@ -63,9 +63,11 @@ def _run_one(tool_call: dict[str, Any], tools: dict[str, Callable], timeout_s: f
     try:
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
+        fn = tools[name]
+        owner = environment if environment is not None and getattr(fn, "__self__", None) is environment else None
         with stage("tool", function=repr(name), row=row):
-            result = call(functools.partial(tools[name], **fn_spec.get("arguments", {})), timeout_s=timeout_s,
-                          what=f"tool {name!r}")
+            result = call(functools.partial(fn, **fn_spec.get("arguments", {})), timeout_s=timeout_s,
+                          what=f"tool {name!r}", owner=owner)
     except CallTimeout as e:
         logger.warning("grpokit: %s%s; the model gets an error message instead", e,
                        f" (row {row})" if row is not None else "")
@@ -78,11 +80,14 @@ def _run_one(tool_call: dict[str, Any], tools: dict[str, Callable], timeout_s: f
 
 def run_calls(calls_per_row: list[list[dict[str, Any]]], tools_per_row: list[dict[str, Callable]],
               max_workers: int = 16, timeout_s: float | None = None, max_chars: int | None = None,
-              rows: list[int] | None = None) -> list[list[ToolResult]]:
+              rows: list[int] | None = None, environments: list | None = None) -> list[list[ToolResult]]:
     """The results of every row's calls, in call order; rows run concurrently. ``rows``: each row's index in the
-    batch, for messages."""
+    batch, for messages; ``environments``: each row's environment instance, whose methods are never called while
+    an abandoned call on it still runs."""
     def row(i: int) -> list[ToolResult]:
-        return [_run_one(c, tools_per_row[i], timeout_s, max_chars, rows[i] if rows else i) for c in calls_per_row[i]]
+        env = environments[i] if environments else None
+        return [_run_one(c, tools_per_row[i], timeout_s, max_chars, rows[i] if rows else i, env)
+                for c in calls_per_row[i]]
 
     busy = [i for i, calls in enumerate(calls_per_row) if calls]
     results: list[list[ToolResult]] = [[] for _ in calls_per_row]

@@ -78,10 +78,12 @@ def run_tool_loop(
     chat_template_kwargs: dict | None = None,
     bounds: CallBounds | None = None,
     incidents: Incidents | None = None,
+    environments: list | None = None,
 ) -> ToolRollouts:
     """Run the loop on ``first`` (the first replies). ``generate(ids, mask, max_new_tokens)`` samples one reply per
     row of left-padded prompts. ``bounds`` (default: :class:`grpokit.user_calls.CallBounds`' defaults) bound each
-    call and result; timeouts and cut results are counted into ``incidents``."""
+    call and result; timeouts and cut results are counted into ``incidents``. ``environments``: each row's
+    environment instance (calls on one are refused while an abandoned one runs)."""
     bounds = bounds or CallBounds()
     incidents = incidents if incidents is not None else Incidents()
     eos = set(eos_ids)
@@ -96,7 +98,8 @@ def run_tool_loop(
            and not bounds.stopping):
         active = [i for i, r in enumerate(rollouts) if r.turn is not None]
         results = run_calls([rollouts[i].turn.calls for i in active], [tools_per_row[i] for i in active],
-                            timeout_s=bounds.tool_timeout_s, max_chars=bounds.max_tool_result_chars, rows=active)
+                            timeout_s=bounds.tool_timeout_s, max_chars=bounds.max_tool_result_chars, rows=active,
+                            environments=[environments[i] for i in active] if environments else None)
         continuing, suffixes = [], {}
         for i, row_results in zip(active, results):
             r = rollouts[i]

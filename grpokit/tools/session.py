@@ -123,4 +123,4 @@ class MultiTurn:
         """The tool loop from the first replies ``first`` (see :func:`grpokit.tools.loop.run_tool_loop`)."""
         return run_tool_loop(generate, prompt_ids, prompt_mask, first, tokenizer, prepared.tool_dicts, self.style,
                              limits.eos_ids, self.max_iterations, limits.max_completion_length, limits.max_model_len,
-                             self.chat_template_kwargs, bounds, incidents)
+                             self.chat_template_kwargs, bounds, incidents, prepared.environments)
