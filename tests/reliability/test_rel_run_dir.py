@@ -51,6 +51,7 @@ RUN_DIR_CASES = [
     "cli: resume with num_generations changed refused, --force continues",
     "cli: full disk during a save",
     "cli: full disk of a real small file system during a save (safetensors' own error)",
+    "files: a full disk recognised from each writer's error (OSError, safetensors, torch.save)",
     "cli: damaged eval_before.json re-measured on resume",
     "cli: the demo's default directory never replaces an earlier demo",
 ]
@@ -341,6 +342,43 @@ def test_cli_a_full_disk_of_a_real_small_file_system(monkeypatch, tmp_path, tiny
         assert len(seen) == 1 and seen[0].startswith("SafetensorError: ") and "(os error 28)" in seen[0]
         assert sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) == ["checkpoint-1", "metrics.jsonl"]
         assert verify_checkpoint(out / "checkpoint-1") == 1
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=60)
+
+
+def test_every_writer_s_full_disk_is_recognised(tmp_path, request):
+    """On a full tmpfs each writer fails its own way: a plain write with ENOSPC, safetensors with a text only, torch.save
+    with a RuntimeError that says nothing of it (recognised by the space left); an error with room to spare is not
+    a full disk."""
+    import torch
+    from safetensors.torch import save_file
+
+    from grpokit.files import is_disk_full
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    why = mount_small_tmpfs(mount, "256k")
+    if why is not None:
+        rerun_in_a_mount_namespace(f"{request.path}::{request.node.name}", why)
+        return
+    try:
+        (mount / "filler").write_bytes(b"\0" * (shutil.disk_usage(mount).free - (16 << 10)))
+        errors = []
+        for write in (lambda: (mount / "plain.bin").write_bytes(b"\0" * (64 << 10)),
+                      lambda: save_file({"w": torch.zeros(16 << 10)}, str(mount / "w.safetensors")),
+                      lambda: torch.save({"w": torch.zeros(16 << 10)}, str(mount / "w.pt"))):
+            with pytest.raises(Exception) as e:
+                write()
+            errors.append(e.value)
+        assert isinstance(errors[0], OSError) and errors[0].errno == errno.ENOSPC and is_disk_full(errors[0])
+        assert type(errors[1]).__name__ == "SafetensorError" and is_disk_full(errors[1])  # from its text alone
+        assert isinstance(errors[2], RuntimeError) and not is_disk_full(errors[2])  # nothing in torch's text...
+        assert is_disk_full(errors[2], mount)  # ...but the file system it wrote to is full
+        assert not is_disk_full(ValueError("bad value"), tmp_path)  # room to spare: another error
+        try:
+            raise RuntimeError("saving failed") from errors[1]
+        except RuntimeError as chained:
+            assert is_disk_full(chained)  # the cause says it
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=60)
 
