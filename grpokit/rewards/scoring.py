@@ -174,7 +174,41 @@ def score_completions(
     bounds = bounds or CallBounds()
     incidents = incidents if incidents is not None else Incidents()
     columns = {k: [r[k] for r in rows] for k in (rows[0] if rows else {}) if k not in RESERVED_COLUMNS}
-    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **call_kwargs, **columns)
+    gate = _LogGate(call_kwargs)
+    try:
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **gate.kwargs, **columns)
+        out = _score_all(reward_funcs, reward_processing_classes, kwargs, n, bounds, incidents)
+    finally:
+        gate.close()  # an abandoned call that logs later logs nothing
+    _warn_unscored(out, prompts, completions, columns)
+    return out
+
+
+class _LogGate:
+    """The trainer's ``log_metric`` / ``log_extra`` as the reward functions of one batch get them: open while the
+    batch is scored, then closed, so an abandoned call that returns later cannot write into another batch's logs."""
+
+    def __init__(self, call_kwargs: dict[str, Any]):
+        self.open = True
+        self.kwargs = {k: self._gated(v) if k in ("log_metric", "log_extra") and callable(v) else v
+                       for k, v in call_kwargs.items()}
+
+    def _gated(self, fn):
+        def gated(*args, **kwargs):
+            if self.open:
+                return fn(*args, **kwargs)
+            return None
+
+        return gated
+
+    def close(self) -> None:
+        self.open = False
+
+
+def _score_all(reward_funcs: list, reward_processing_classes: list, kwargs: dict[str, Any], n: int,
+               bounds: CallBounds, incidents: Incidents) -> torch.Tensor:
+    """:func:`score_completions`' work: every function on the batch, (N, K)."""
+    prompts, completions = kwargs["prompts"], kwargs["completions"]
     nan_rows = [math.nan] * n
     results: dict[int, list[float]] = {}
     pending: dict[int, Any] = {}
@@ -206,9 +240,7 @@ def score_completions(
         else:
             results[k] = _check_values(name, value, n, prompts, completions)
     _score_pending(pending, reward_funcs, kwargs, n, where, bounds, incidents, results)
-    out = torch.tensor([results[k] for k in range(len(reward_funcs))], dtype=torch.float32).T.reshape(n, len(reward_funcs))
-    _warn_unscored(out, prompts, completions, columns)
-    return out
+    return torch.tensor([results[k] for k in range(len(reward_funcs))], dtype=torch.float32).T.reshape(n, len(reward_funcs))
 
 
 def _score_pending(pending: dict[int, Any], reward_funcs: list, kwargs: dict[str, Any], n: int, where: str,

@@ -9,8 +9,10 @@ after HANG_GUARD_S instead of hanging the suite."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import threading
 
 import pytest
 from datasets import Dataset
@@ -20,8 +22,9 @@ from scripted_tools import ScriptedBackend, tokenizer
 from tiny import tiny_model
 
 from grpokit.checkpoints import verify_checkpoint
+from grpokit.rewards import RewardFunctionError, score_completions
 from grpokit.trainer import GRPOTrainer
-from grpokit.user_calls import RunStopped
+from grpokit.user_calls import CallBounds, Incidents, RunStopped
 
 BOUND = 0.5  # seconds: every bound in these runs (user code that returns takes microseconds here)
 HANGS: dict[str, Hang] = {}
@@ -143,6 +146,68 @@ def test_hanging_rewards_tools_and_environments_are_abandoned_counted_and_named(
     assert f"Flaky.reset() did not return within {BOUND:g} s on row 2 of 8" in text
     assert f"Flaky.get_reward() did not return within {BOUND:g} s on row 6 of 8" in text
     assert f"tool 'wait_for_it' did not return within {BOUND:g} s (row 1)" in text
+
+
+def score(funcs, bounds, **call_kwargs):
+    n = 4
+    incidents = Incidents()
+    rewards = score_completions(funcs, [None] * len(funcs), prompts=[f"Q{i}" for i in range(n)],
+                                completions=[f"A{i}" for i in range(n)], completion_ids=[[1]] * n,
+                                rows=[{"prompt": f"Q{i}"} for i in range(n)], bounds=bounds, incidents=incidents,
+                                **call_kwargs)
+    return rewards, incidents
+
+
+def test_async_judges_are_cancelled_at_their_bound_while_the_others_score():
+    cancelled = threading.Event()
+
+    async def remote_judge(completions, **kw):  # an endpoint that never answers
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cancelled.set()
+
+    async def quick_async(completions, **kw):
+        await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    def quick(completions, **kw):
+        return [2.0] * len(completions)
+
+    rewards, incidents = score([remote_judge, quick_async, quick], CallBounds(reward_timeout_s=BOUND))
+    assert rewards[:, 0].isnan().all() and rewards[:, 1].tolist() == [1.0] * 4 and rewards[:, 2].tolist() == [2.0] * 4
+    assert incidents.counts == {"rewards/remote_judge/timeout_total": 1.0} and incidents.stop_cause is None
+    assert cancelled.wait(60)  # cancelled, not left running
+
+
+def test_an_abandoned_reward_that_returns_later_changes_nothing():
+    """Its value is discarded and what it logs after its batch was scored is dropped."""
+    logged, done = [], threading.Event()
+    stuck = HANGS["judge"] = Hang(result=None, name="late")
+
+    def late(completions, log_metric, **kw):
+        stuck()
+        log_metric("late/metric", 1.0)
+        done.set()
+        return [5.0] * len(completions)
+
+    rewards, incidents = score([late], CallBounds(reward_timeout_s=BOUND),
+                               log_metric=lambda name, value: logged.append(name))
+    assert rewards.isnan().all() and incidents.counts == {"rewards/late/timeout_total": 1.0}
+    stuck.release()
+    assert done.wait(60) and logged == []
+
+
+def test_a_raising_reward_whose_rows_hang_alone_is_still_named():
+    def fussy(completions, **kw):
+        if len(completions) > 1:
+            raise ValueError("only one at a time")
+        HANGS["get_reward"]()
+
+    with pytest.raises(RewardFunctionError) as e:
+        score([fussy], CallBounds(reward_timeout_s=BOUND))
+    assert str(e.value) == (f"reward function 'fussy' raised ValueError: only one at a time on the batch of 4 "
+                            f"completions (row 0 alone did not return within {BOUND:g} s)")
 
 
 def stuck_rollout(prompts, trainer):
