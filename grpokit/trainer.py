@@ -212,6 +212,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         gives back what the trainer saved in it — the rollouts of a generation batch it fell inside (a resumed run
         then follows the same schedule) and the adaptive entropy controller."""
         self._rollouts.reset(state.global_step * self.args.gradient_accumulation_steps)
+        self.call_bounds.clear_stop()  # a stop belongs to the train() that asked for it
         self._total_tokens = int(state.num_input_tokens_seen or 0)
         if self.args.sync_ref_model:
             check_sync_ref_model(self.args, peft=False, sharding=sharding_kind(self.model_wrapped or self.model))

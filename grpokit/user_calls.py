@@ -47,6 +47,9 @@ REWARD_TIMEOUT_ACTIONS = ("none", "stop")
 """What a reward function that passes ``reward_timeout_s`` means: ``"none"``, its rows get ``None`` from it (not
 applicable, as if the function had returned ``None``); ``"stop"``, the run stops with the cause, on every rank."""
 
+STOPPING = "an earlier call that timed out asked for a stop (no more user code is called)"
+"""The stop a batch carries when its user code was skipped because the run is stopping."""
+
 _lock = threading.Lock()
 _abandoned: dict[int, tuple[str, float]] = {}
 """Running abandoned calls: thread id → (what, when abandoned)."""
@@ -94,6 +97,10 @@ class CallBounds:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def clear_stop(self) -> None:
+        """A new ``train()`` starts: no stop is pending."""
+        self._stopping.clear()
 
 
 def is_busy(owner: Any) -> bool:
@@ -299,6 +306,10 @@ class Incidents:
             self.stop_cause = cause
         if bounds is not None:
             bounds.stop()
+
+    def skipped(self, bounds: CallBounds) -> None:
+        """User code was not called because the run is stopping: this batch must not be trained on either."""
+        self.stop(STOPPING, bounds)
 
     def merge(self, other: Incidents) -> None:
         for name, n in other.counts.items():

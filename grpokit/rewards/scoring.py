@@ -216,6 +216,7 @@ def _score_all(reward_funcs: list, reward_processing_classes: list, kwargs: dict
     for k, func in enumerate(reward_funcs):
         name = reward_func_name(func)
         if bounds.stopping:
+            incidents.skipped(bounds)
             results[k] = nan_rows
             continue
         with stage("scoring", function=repr(name)):

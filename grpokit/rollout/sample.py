@@ -226,7 +226,9 @@ def _first_turn(first_turn: Callable, rows: list[dict], tools_per_row, tokenizer
                 bounds: CallBounds, incidents: Incidents) -> tuple[PreparedPrompts, Generation, list[dict]]:
     """``first_turn`` (``rollout_func``) within ``reward_timeout_s``; past it (or when the run is already stopping) a
     stop, and a placeholder: the rows' prompts and one end-of-sequence token each, which nothing trains on."""
-    if not bounds.stopping:
+    if bounds.stopping:
+        incidents.skipped(bounds)
+    else:
         try:
             with stage("rollout_func", rows=len(rows)):
                 return call(first_turn, args=(rows, tools_per_row), timeout_s=bounds.reward_timeout_s,

@@ -24,7 +24,7 @@ from tiny import tiny_model
 from grpokit.checkpoints import verify_checkpoint
 from grpokit.rewards import RewardFunctionError, score_completions
 from grpokit.trainer import GRPOTrainer
-from grpokit.user_calls import CallBounds, Incidents, RunStopped
+from grpokit.user_calls import STOPPING, CallBounds, Incidents, RunStopped
 
 BOUND = 0.5  # seconds: every bound in these runs (user code that returns takes microseconds here)
 HANGS: dict[str, Hang] = {}
@@ -196,6 +196,22 @@ def test_an_abandoned_reward_that_returns_later_changes_nothing():
     assert rewards.isnan().all() and incidents.counts == {"rewards/late/timeout_total": 1.0}
     stuck.release()
     assert done.wait(60) and logged == []
+
+
+def test_once_a_run_is_stopping_no_user_code_is_called_and_the_batch_carries_the_stop():
+    called = []
+
+    def reward(completions, **kw):
+        called.append(1)
+        return [1.0] * len(completions)
+
+    bounds = CallBounds()
+    bounds.stop()
+    rewards, incidents = score([reward], bounds)
+    assert called == [] and rewards.isnan().all() and incidents.stop_cause == STOPPING  # never silently unscored
+    bounds.clear_stop()  # what each train() starts with
+    rewards, incidents = score([reward], bounds)
+    assert called == [1] and rewards.tolist() == [[1.0]] * 4 and incidents.stop_cause is None
 
 
 def test_a_raising_reward_whose_rows_hang_alone_is_still_named():
