@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     from .job_spec import JobError, TrainingInterrupted
-    from .user_calls import RunStopped
+    from .user_calls import CallTimeout, RunStopped
 
     try:
         return ns.func(ns)
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpokit: interrupted by {e.signal_name} at step {e.step}; checkpoint saved to {e.checkpoint}; "
               f"continue with: {again}", file=sys.stderr)
         return 128 + e.signum
-    except (FloatingPointError, RunStopped) as e:
+    except (FloatingPointError, RunStopped, CallTimeout) as e:
         print(f"grpokit: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except Exception as e:

@@ -24,7 +24,7 @@ from tiny import tiny_model
 from grpokit.checkpoints import verify_checkpoint
 from grpokit.rewards import RewardFunctionError, score_completions
 from grpokit.trainer import GRPOTrainer
-from grpokit.user_calls import STOPPING, CallBounds, Incidents, RunStopped
+from grpokit.user_calls import STOPPING, CallBounds, CallTimeout, Incidents, RunStopped
 
 BOUND = 0.5  # seconds: every bound in these runs (user code that returns takes microseconds here)
 HANGS: dict[str, Hang] = {}
@@ -368,3 +368,52 @@ def test_cli_the_watchdog_saves_exits_124_and_the_run_resumes(tmp_path, tiny_dir
     assert r.returncode == 0, r.stderr[-3000:]
     assert "reward function 'slow' did not return within 1 s" in r.stderr
     assert (out / "final").is_dir()
+
+
+def test_the_watchdog_only_reports_when_asked_to_and_the_run_goes_on(tmp_path):
+    stuck = Hang(result=lambda completions, **kw: [0.0] * len(completions), name="slow_judge")
+    HANGS["judge"] = stuck
+    trainer = make_trainer(tmp_path / "out", reward=[varied_reward, stuck], reward_timeout_s=None,
+                           stall_timeout_s=0.3, max_steps=1)  # stall_action: "report", the default
+    trainer._stall._exit = lambda code: pytest.fail(f"the watchdog exited ({code}) though only asked to report")
+
+    def release_after_a_report():
+        while not any("scoring (function 'slow_judge')" in r for r in trainer._stall.reports):
+            if stuck._released.wait(0.05):
+                return
+        stuck.release()
+
+    helper = threading.Thread(target=release_after_a_report, daemon=True)
+    helper.start()
+    trainer.train()
+    helper.join(60)
+    assert trainer.state.global_step == 1
+    assert any("rank 0 of 1: MainThread: scoring (function 'slow_judge')" in r for r in trainer._stall.reports)
+    assert not any("exiting" in r or "checkpoint" in r for r in trainer._stall.reports)
+    assert not (tmp_path / "out" / "checkpoint-0").exists()
+
+
+def test_an_environment_factory_that_hangs_ends_the_run_with_its_name(tmp_path):
+    """Making an environment is bounded too (the pool grows during the first batch): one that never returns is an
+    error naming it, not a frozen run."""
+
+    class Sticky:
+        made = 0
+
+        def __init__(self):
+            Sticky.made += 1
+            if Sticky.made > 1:  # the trainer's probe is made at construction; the pool's next one hangs
+                HANGS["reset"]()
+
+        def reset(self, **row):
+            return None
+
+        def get_reward(self) -> float:
+            return 1.0
+
+    tok = tokenizer()
+    trainer = GRPOTrainer(tiny_model(tok), None, args=make_args(tmp_path / "out", tool_timeout_s=BOUND),
+                          train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "Go."}]] * 8}),
+                          processing_class=tok, environment_factory=Sticky)
+    with pytest.raises(CallTimeout, match=f"^environment_factory did not return within {BOUND:g} s$"):
+        trainer.train()
