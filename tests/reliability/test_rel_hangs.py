@@ -417,3 +417,27 @@ def test_an_environment_factory_that_hangs_ends_the_run_with_its_name(tmp_path):
                           processing_class=tok, environment_factory=Sticky)
     with pytest.raises(CallTimeout, match=f"^environment_factory did not return within {BOUND:g} s$"):
         trainer.train()
+
+
+def test_cli_a_stop_is_one_line_and_status_1(tmp_path, tiny_dir, capsys):
+    import yaml
+
+    from grpokit.cli import main
+
+    (tmp_path / "sleepy_rewards.py").write_text(
+        "import time\n\n\ndef sleepy(completions, **kw):\n    time.sleep(30)\n    return [0.0] * len(completions)\n")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": str(tiny_dir), "task": "arithmetic", "reward_funcs": ["correctness", "sleepy_rewards:sleepy"],
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "num_generations": 4,
+        "max_completion_length": 6, "max_steps": 2, "save_strategy": "no", "report_to": "none", "use_cpu": True,
+        "gradient_checkpointing": False, "eval": {"before": False, "after": False}, "reward_timeout_s": BOUND,
+        "reward_timeout_action": "stop"}))
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    err = captured.err.strip().splitlines()[-1]  # after the warning that said it when it happened
+    assert err.startswith(f"grpokit: error: the run stopped: reward function 'sleepy' did not return within {BOUND:g} "
+                          "s on the batch of 4 completions (rows 0-3; first prompt")
+    assert err.endswith("(reward_timeout_action='stop')")
