@@ -25,7 +25,6 @@ scheduler, RNG state) are read back by transformers 5 with ``torch.load(..., wei
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ from .callbacks.interrupt import GracefulInterrupt
 from .file_checks import check_json as _check_json
 from .file_checks import check_safetensors as _check_safetensors
 from .file_checks import check_torch_save as _check_torch_save
-from .files import fsync_tree, publish_directory
+from .files import fsync_tree, is_disk_full, publish_directory
 from .run_dir import (
     CheckpointError,
     RunDirLock,
@@ -268,9 +267,10 @@ class CheckpointingMixin:
             if args.should_save:
                 fsync_tree(written)
                 publish_directory(written, final)
-        except OSError as e:  # a full disk, a quota: nothing half-written stays, earlier checkpoints are untouched
+        except Exception as e:  # a full disk, a quota: nothing half-written stays, earlier checkpoints are untouched
+            full = is_disk_full(e, run_dir)  # safetensors says so in its text only, torch.save not at all
             shutil.rmtree(staging, ignore_errors=True)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if full:
                 previous = latest_checkpoint(run_dir)
                 raise DiskFullError(
                     f"no space left on the device of {run_dir!r} while saving {name}: it was not written (nothing "

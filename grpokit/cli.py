@@ -3,13 +3,15 @@
 Wrong input (config values, unknown keys, unknown tasks or rewards, missing files, a damaged checkpoint) is
 printed in one line without a traceback and exits with status 2. A first SIGINT (Ctrl-C) or SIGTERM during
 training finishes the current step, saves a checkpoint and exits with 128 + the signal number (130, 143);
-``grpokit train CONFIG --resume`` continues from it. A second signal stops at once.
+``grpokit train CONFIG --resume`` continues from it. A second signal stops at once. A full disk, a non-finite loss
+and a stop asked for by ``reward_timeout_action="stop"`` (or a ``rollout_func`` that timed out) are one line and
+status 1; the watchdog (``stall_timeout_s`` with ``stall_action="save_and_exit"``) ends a stuck run with status 124
+(grpokit/callbacks/stall.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
@@ -82,8 +84,11 @@ def _parse_set(pairs: list[str]) -> dict[str, Any]:
         if "=" not in pair:
             raise JobError(f"--set {_short(pair)} is not key=value")
         key, value = pair.split("=", 1)
+        if not value.strip():  # `--set output_dir=$UNSET`: kept as written, so the field refuses it as from a file
+            out[key.strip()] = value
+            continue
         try:
-            out[key.strip()] = yaml.safe_load(value) if value != "" else None
+            out[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as e:
             raise JobError(f"--set {_short(pair)}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
                            "e.g. --set 'key=\"text\"'") from None
@@ -379,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     from .job_spec import JobError, TrainingInterrupted
+    from .user_calls import CallTimeout, RunStopped
 
     try:
         return ns.func(ns)
@@ -390,16 +396,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpokit: interrupted by {e.signal_name} at step {e.step}; checkpoint saved to {e.checkpoint}; "
               f"continue with: {again}", file=sys.stderr)
         return 128 + e.signum
-    except FloatingPointError as e:
+    except (FloatingPointError, RunStopped, CallTimeout) as e:
         print(f"grpokit: error: {_one_line(e)}", file=sys.stderr)
         return 1
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT) and type(e).__name__ != "DiskFullError":
-            raise
+    except Exception as e:
         if type(e).__name__ == "DiskFullError":  # a checkpoint: the message says what is intact
             print(f"grpokit: error: {_one_line(e)} (with --resume)", file=sys.stderr)
             return 1
-        where = f" (writing {e.filename})" if e.filename else ""
+        from .files import is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        filename = getattr(e, "filename", None)
+        where = f" (writing {filename})" if filename else ""
         print(f"grpokit: error: no space left on device{where}; files grpokit writes are replaced whole or not at all, "
               "so nothing half-written is left: free some space, then continue with --resume", file=sys.stderr)
         return 1

@@ -23,14 +23,16 @@ from .algorithms.importance import IMPORTANCE_SAMPLING_LEVELS, SAMPLER_CORRECTIO
 from .algorithms.losses import LOSS_TYPES, config_params, loss_spec
 from .algorithms.losses._registry import check_bounds, param_type
 from .algorithms.settings import LossSettings
+from .user_calls import REWARD_TIMEOUT_ACTIONS
 from .validation import Checker, short_repr
 
 logger = logging.getLogger("grpokit")
 
 VLLM_MODES = ("colocate", "server")
 STALENESS_MODES = ("bounded", "exact")
+STALL_ACTIONS = ("report", "save_and_exit")
 CHOICE_FIELDS: dict[str, Any] = {
-    "staleness_mode": STALENESS_MODES,
+    "staleness_mode": STALENESS_MODES, "reward_timeout_action": REWARD_TIMEOUT_ACTIONS, "stall_action": STALL_ACTIONS,
     "loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
     "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS, "advantage_estimator": ADVANTAGE_ESTIMATORS,
     "vllm_mode": VLLM_MODES, "vllm_importance_sampling_mode": SAMPLER_CORRECTION_MODES,
@@ -282,6 +284,34 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=False,
         metadata=_meta("Skip (and count) a micro-step whose loss is not finite instead of raising."),
     )
+    reward_timeout_s: float | None = field(
+        default=300.0, metadata=_meta("Seconds a reward function (a judge, an async one), an environment's reward or "
+                                      "rollout_func may take on a batch before it is abandoned and counted "
+                                      "(rewards/<name>/timeout_total); None: no bound (docs/reliability.md).")
+    )
+    reward_timeout_action: str = field(
+        default="none", metadata=_meta("A reward function past reward_timeout_s: 'none' (its rows get None from it: "
+                                       "not applicable) or 'stop' (the run stops with the cause, on every rank). A "
+                                       "rollout_func past it always stops the run.")
+    )
+    tool_timeout_s: float | None = field(
+        default=60.0, metadata=_meta("Seconds a tool call or an environment method (reset, a tool method, "
+                                     "get_reward) may take before it is abandoned: the model gets an error message "
+                                     "instead (tools/timeout_total); None: no bound.")
+    )
+    max_tool_result_chars: int | None = field(
+        default=16384, metadata=_meta("Tool results and environment observations longer than this many characters "
+                                      "are cut with a marker (tools/truncated_total); None: no bound.")
+    )
+    stall_timeout_s: float | None = field(
+        default=None, metadata=_meta("Watchdog: when training makes no progress (no rollout stage starts or ends, no "
+                                     "optimizer step) for this many seconds, say which stage each thread is stuck "
+                                     "in, on which rank; None: off.")
+    )
+    stall_action: str = field(
+        default="report", metadata=_meta("Watchdog: 'report' (say it, keep waiting) or 'save_and_exit' (say it, save "
+                                         "a checkpoint on one process, exit with status 124).")
+    )
     # Compatibility with scripts written for transformers 4 (Unsloth's guides use it)
     warmup_ratio: float | None = field(
         default=None, metadata=_meta("Linear warmup as a fraction of total steps, in [0, 1) (→ warmup_steps).")
@@ -377,6 +407,9 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("max_staleness", 0, integer=True)
         check.number("max_tool_calling_iterations", 0, integer=True, optional=True)
         check.number("weight_sync_steps", 1, integer=True)
+        for name in ("reward_timeout_s", "tool_timeout_s", "stall_timeout_s"):
+            check.number(name, 0, lo_open=True, optional=True)
+        check.number("max_tool_result_chars", 1, integer=True, optional=True)
         if self.max_staleness > 0 and self.staleness_mode == "exact" and self.weight_sync_steps != 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps!r} is not allowed with staleness_mode='exact': "
                              "every version's weights must be published; use 1")

@@ -20,6 +20,7 @@ from .rollout.sample import sample_and_score
 from .rollout.transformers_backend import TransformersRollout
 from .sharding import weights_for_generation
 from .tools import TurnLimits
+from .user_calls import RunStopped
 
 
 @torch.no_grad()
@@ -40,6 +41,7 @@ def evaluate(
     gather: bool = True,
     multiturn=None,
     max_completion_length: int | None = None,
+    bounds=None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Score ``model`` on ``dataset`` (one completion per prompt, greedy by default).
 
@@ -52,6 +54,8 @@ def evaluate(
     ``multiturn`` (a :class:`grpokit.tools.MultiTurn`): rollouts with tools and environments, as in training, each
     reply up to ``max_new_tokens`` and all turns together up to ``max_completion_length`` (default
     ``max_new_tokens``); ``summary`` then has ``tool_calls_per_row`` and ``tool_failure_rate``.
+
+    ``bounds``: time bounds on user code, as in training (a stop raises :class:`grpokit.user_calls.RunStopped`).
 
     ``batch_size`` prompts are generated together (more is faster where memory allows: on a 2-core CPU 128 rows of
     SmolLM2 take 2.5× the time of 32: benchmarks/RESULTS.md), and a LoRA adapter is folded into the weights once for all of them.
@@ -82,7 +86,9 @@ def evaluate(
         for s in range(0, len(rows), batch_size):
             out = sample_and_score(rows[s:s + batch_size], tokenizer, generate, reward_funcs,
                                    max_prompt_length=max_prompt_length, device=device, multiturn=multiturn,
-                                   limits=limits)
+                                   limits=limits, bounds=bounds)
+            if out.incidents.stop_cause is not None:
+                raise RunStopped(f"the evaluation stopped: {out.incidents.stop_cause}")
             all_rewards.append(out.rewards)
             lengths.extend(len(x) for x in out.completion_id_lists)
             multi = out.tool_calls is not None

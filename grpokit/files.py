@@ -4,10 +4,39 @@ under a name a later run would read."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+DISK_FULL_TEXTS = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+"""How a full disk reads in errors that carry no errno: safetensors' ``SafetensorError("... I/O error: No space left
+on device (os error 28)")`` (Rust's text), and the same for a quota."""
+
+LOW_SPACE_BYTES = 1 << 20
+"""``torch.save`` on a full disk raises a ``RuntimeError`` that says nothing of it (``unexpected pos 576 vs 534``):
+a failed write whose file system has less than this free is taken for a full disk."""
+
+
+def is_disk_full(error: BaseException, path: str | os.PathLike | None = None) -> bool:
+    """Whether ``error`` (or an exception it was raised from) comes from a full disk or quota: an ``OSError`` with
+    ``ENOSPC``/``EDQUOT``, an error whose text says so (safetensors), or, given the ``path`` being written, any
+    write error while that file system has under :data:`LOW_SPACE_BYTES` free (torch's zip writer)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(t in str(error).lower() for t in DISK_FULL_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    if path is None:
+        return False
+    try:
+        return shutil.disk_usage(path).free < LOW_SPACE_BYTES
+    except OSError:
+        return False
 
 
 def fsync_path(path: str | os.PathLike) -> None:

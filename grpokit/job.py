@@ -128,6 +128,8 @@ def _prepare(spec: dict[str, Any]):
     from .tools import MultiTurn, check_tools
 
     fields = config_fields()
+    if "output_dir" in raw and raw["output_dir"] is None:  # `output_dir:` with nothing after it (a template's hole)
+        raise JobError("output_dir=None is not allowed: expected a directory path")
     cfg_kwargs = {key: coerce_value(key, value, fields[key]) for key, value in raw.items()}
     cfg_kwargs.setdefault("output_dir", "runs/grpokit")
     config = GRPOConfig(**cfg_kwargs)
@@ -293,6 +295,7 @@ class _JobRun:
                 self.tell(said)
         transformers.set_seed(self.config.seed)
         model, tokenizer = self._load()
+        self._check_lora_targets(model)  # before the evaluation: a typo must not cost its minutes
         eval_funcs = self._eval_funcs()
         before = self._evaluate_before(model, tokenizer, eval_funcs, resume_path)
         trainer, train_time = self._train(model, tokenizer, resume_path, self._training_budget(before[0]))
@@ -357,6 +360,17 @@ class _JobRun:
         except Exception as e:  # noqa: BLE001 - any loading failure is one line naming the model
             raise JobError(f"model {name!r} could not be loaded: {type(e).__name__}: {e}") from None
 
+    def _check_lora_targets(self, model) -> None:
+        """``lora.target_modules`` must name modules of the loaded model (the trainer would find out only after the
+        evaluation before training)."""
+        if self.lora is None:
+            return
+        from .models import lora_target_problem
+
+        problem = lora_target_problem(model, lora_config(self.lora))
+        if problem is not None:
+            raise JobError(problem.replace("peft_config.target_modules", "lora.target_modules"))
+
     def _eval_funcs(self) -> list:
         """The training rewards, plus the task's accuracy reward when training uses others: accuracy is the task's
         own measure."""
@@ -369,13 +383,14 @@ class _JobRun:
 
     def _evaluate(self, model, tokenizer, eval_funcs):
         from .evaluation import evaluate
+        from .user_calls import CallBounds
 
         ev, c = self.ev, self.config
         return evaluate(model, tokenizer, self.task.eval_dataset, eval_funcs, accuracy_reward=self.task.accuracy_reward,
                         max_new_tokens=int(ev["max_new_tokens"]), greedy=bool(ev["greedy"]), temperature=c.temperature,
                         n=int(ev["n"]), batch_size=int(ev["batch_size"]), max_prompt_length=c.max_prompt_length,
                         gather=c.ds3_gather_for_generation, multiturn=self.multiturn,
-                        max_completion_length=c.max_completion_length)
+                        max_completion_length=c.max_completion_length, bounds=CallBounds.from_config(c))
 
     def _evaluate_before(self, model, tokenizer, eval_funcs, resume_path):
         """The held-out evaluation before training; a resumed run reads the one its first run measured."""

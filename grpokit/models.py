@@ -512,3 +512,21 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     if embed is not None and embed.weight is head.weight and trunk_dtype != torch.float32:
         embed.register_forward_hook(lambda module, args, output: output.to(trunk_dtype))
+
+
+def lora_target_problem(model, peft_config) -> str | None:
+    """Why ``peft_config.target_modules`` would wrap nothing in ``model`` (naming the linear modules it has), or None;
+    checked without changing the model. ``all-linear`` and configs without target modules always pass."""
+    import torch
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = getattr(peft_config, "target_modules", None)
+    if targets is None or (isinstance(targets, str) and targets.lower() == "all-linear"):
+        return None
+    if any(bool(check_target_module_exists(peft_config, name)) for name, _ in model.named_modules() if name):
+        return None
+    from .validation import short_repr
+
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    return (f"peft_config.target_modules={short_repr(targets)} matches no module of the model; its linear modules "
+            f"are named {', '.join(linear)} (or use 'all-linear')")

@@ -42,6 +42,25 @@ def any_process(flag: bool, device=None) -> bool:
     return bool(value.item())
 
 
+def stop_together(cause: str | None, device=None) -> None:
+    """After a batch was scored: when any process carries a stop (``cause``, from
+    :class:`grpokit.user_calls.Incidents`), every process raises :class:`grpokit.user_calls.RunStopped` naming the
+    first rank that stopped and why, so all stop at the same point instead of some waiting for the others in their
+    next collective. One MAX all-reduce of one number per batch; the causes are gathered only when there is a stop."""
+    from .user_calls import RunStopped
+
+    if not any_process(cause is not None, device):
+        return
+    if not distributed_initialized():
+        raise RunStopped(f"the run stopped: {cause}")
+    import torch
+
+    causes: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(causes, cause)
+    rank = next(i for i, c in enumerate(causes) if c is not None)
+    raise RunStopped(f"rank {rank} stopped the run: {causes[rank]}")
+
+
 def exit_process(code: int) -> None:
     """Exit with ``code``: with an initialized process group, exit handlers run, standard streams are flushed and
     the interpreter's teardown is skipped; otherwise a plain ``sys.exit``."""

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from .algorithms import LossScale, LossSettings, policy_loss
 from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
 from .batch import RolloutBatch, RolloutBuffer
-from .callbacks import TrainerHooks
+from .callbacks import install_hooks
 from .checkpoint_parts import load_parts, save_parts
 from .checkpoints import CheckpointingMixin
 from .config import GRPOConfig
@@ -157,7 +157,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self.add_callback(TrainerHooks(self))
+        self.stall_watchdog = install_hooks(self)  # TrainerHooks, and with stall_timeout_s the watchdog (grpokit/watchdog.py)
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
         for i, func in enumerate(self.reward_funcs):
@@ -171,6 +171,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         from the next generation batch the learner needs."""
         a = self.args
         self.rollout_buffer.reset(state.global_step * a.gradient_accumulation_steps, device=self.accelerator.device)
+        self.pipeline.bounds.clear_stop()  # a stop belongs to the train() that asked for it
         sharding = sharding_kind(self.model_wrapped or self.model)
         if a.sync_ref_model:
             check_sync_ref_model(a, peft=False, sharding=sharding)
@@ -200,6 +201,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         """After training, normally or not: the rollout producer stops; a run that completed (not interrupted, no
         error) gets ``ema_decay``'s averaged weights."""
         self.pipeline.stop()
+        if self.stall_watchdog is not None:  # after the producer's last batch: the watchdog also watches that
+            self.stall_watchdog.stop()
         if completed and self.weight_average is not None:
             self.weight_average.copy_to_model()
 

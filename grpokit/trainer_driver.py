@@ -10,7 +10,7 @@ import torch
 from accelerate.utils import gather_object
 
 from .logprobs import completion_logps
-from .process_group import any_process
+from .process_group import any_process, stop_together
 from .rollout.base import Generation, SamplingParams
 from .sharding import full_weights, sharding_kind, weights_for_generation
 
@@ -145,3 +145,6 @@ class TrainerDriver:
 
     def any_process(self, flag: bool) -> bool:
         return any_process(flag, self.device)
+
+    def stop_together(self, cause: str | None) -> None:
+        stop_together(cause, self.device)

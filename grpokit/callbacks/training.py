@@ -7,6 +7,17 @@ import time
 from transformers import TrainerCallback
 
 from ..process_group import any_process
+from .stall import StallWatchdog
+
+
+def install_hooks(trainer) -> StallWatchdog | None:
+    """Add the trainer's :class:`TrainerHooks` and, with ``stall_timeout_s``, the watchdog (returned; None without)."""
+    trainer.add_callback(TrainerHooks(trainer))
+    if trainer.args.stall_timeout_s is None:
+        return None
+    stall = StallWatchdog(trainer)
+    trainer.add_callback(stall)
+    return stall
 
 
 class TrainerHooks(TrainerCallback):

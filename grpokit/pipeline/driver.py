@@ -67,3 +67,7 @@ class RolloutDriver(Protocol):
 
     def any_process(self, flag: bool) -> bool:
         ...
+
+    def stop_together(self, cause: str | None) -> None:
+        """Raise :class:`grpokit.user_calls.RunStopped` on every process when any process carries a stop ``cause``."""
+        ...

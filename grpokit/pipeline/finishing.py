@@ -29,6 +29,7 @@ class BatchFinisher:
         """Advantages over every process's groups, the loss mask, the log-probs the loss needs (``behaviour_logps``:
         the generating policy's, when that is not the current one), and the batch's metrics into ``stats``."""
         a, device = self.args, driver.device
+        driver.stop_together(s.incidents.stop_cause)  # a stop a user-code timeout asked for: every process, together
         self._reduce_reward_logs(stats, driver)
         gen = s.generation
         completion_mask = gen.completion_mask.to(device)

@@ -43,6 +43,7 @@ import torch
 
 from ..logprobs import completion_logps
 from ..rollout.base import Generation
+from ..watchdog import stage
 from .prompts import BatchRows
 from .stats import RolloutStats
 
@@ -292,7 +293,8 @@ class AsyncRollouts:
     # -- the learner taking a batch ---------------------------------------------------------------------------------
     def next_batch(self, version: int, is_main_process: bool) -> ProducedBatch:
         """The next generation batch for the learner (at policy ``version``), with its staleness in its stats."""
-        batch = self.producer.take(self._next_index)
+        with stage("waiting for rollouts"):  # grpokit/watchdog.py: the producer thread marks its own stages
+            batch = self.producer.take(self._next_index)
         self._next_index += 1
         staleness = version - batch.version
         if staleness > self.args.max_staleness:  # cannot happen: the producer waits for recent enough weights

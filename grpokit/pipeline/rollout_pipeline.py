@@ -36,6 +36,8 @@ class RolloutPipeline:
     def __init__(self, scorer: RolloutScorer, finisher: BatchFinisher, group_filter: GroupFilter | None = None,
                  order: PromptOrder | None = None):
         self.scorer, self.finisher, self.filter, self.order = scorer, finisher, group_filter, order
+        self.bounds = scorer.bounds
+        """The time bounds on user code and the run's stop flag (grpokit/user_calls.py)."""
         self.producer = None
         self._taken_state: dict | None = None
 

@@ -14,6 +14,7 @@ from ..algorithms.advantages import overlong_penalty
 from ..rollout.base import context_length, stop_token_ids
 from ..rollout.sample import ScoredSamples, sample_and_score
 from ..tools import TurnLimits
+from ..user_calls import CallBounds
 from .driver import RolloutDriver
 from .stats import RolloutStats
 
@@ -26,13 +27,16 @@ class RolloutScorer:
     column."""
 
     def __init__(self, model: torch.nn.Module, processing_class, reward_funcs: list, reward_processing_classes: list,
-                 args, *, multiturn=None, rollout_func: Callable | None = None, rollout_func_owner: Any = None):
+                 args, *, multiturn=None, rollout_func: Callable | None = None, rollout_func_owner: Any = None,
+                 bounds: CallBounds | None = None):
         self.processing_class = processing_class
         self.reward_funcs, self.reward_processing_classes = reward_funcs, reward_processing_classes
         self.args, self.multiturn = args, multiturn
         self.rollout_func, self.rollout_func_owner = rollout_func, rollout_func_owner
         self.eos_ids = stop_token_ids(model, processing_class)
         self.limits = TurnLimits(self.eos_ids, args.max_completion_length, context_length(model))
+        self.bounds = bounds if bounds is not None else CallBounds.from_config(args)
+        """Time bounds on every call into user code, and the run's stop flag (grpokit/user_calls.py)."""
 
     def __call__(self, rows: list[dict], driver: RolloutDriver, stats: RolloutStats) -> ScoredSamples:
         a = self.args
@@ -48,7 +52,9 @@ class RolloutScorer:
         s = sample_and_score(rows, self.processing_class, driver.generate, self.reward_funcs,
                              self.reward_processing_classes, chat_template_kwargs=a.chat_template_kwargs,
                              max_prompt_length=a.max_prompt_length, device=driver.device, reward_kwargs=reward_kwargs,
-                             multiturn=self.multiturn, limits=self.limits, first_turn=first_turn)
+                             multiturn=self.multiturn, limits=self.limits, first_turn=first_turn, bounds=self.bounds)
+        for name, count in s.incidents.counts.items():  # timeouts, cut tool results
+            stats.add(name, count)
         if s.tool_calls is not None:
             stats.add("tools/call_frequency", s.tool_calls / len(rows))
             stats.add("tools/failure_frequency", s.tool_failures / s.tool_calls if s.tool_calls else 0.0)

@@ -3,6 +3,7 @@ held-out evaluation (tokenise → generate → decode → score)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,11 @@ import torch
 
 from ..data import is_conversational, prompt_text, tokenize_prompts
 from ..rewards.scoring import score_completions
+from ..user_calls import CallBounds, CallTimeout, Incidents, call
+from ..watchdog import stage
 from .base import Generation
+
+logger = logging.getLogger("grpokit")
 
 
 @dataclass
@@ -37,6 +42,9 @@ class ScoredSamples:
     tool_calls: int | None = None
     """Multi-turn rollouts: the tool calls made (None: no tools); ``tool_failures`` of them failed."""
     tool_failures: int = 0
+    incidents: Incidents = field(default_factory=Incidents)
+    """Timeouts and cut tool results while these samples were made (counters to log), and the cause of a stop the
+    run must make (:mod:`grpokit.user_calls`)."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -59,7 +67,8 @@ class ScoredSamples:
                              prompt_ids=take(self.prompt_ids), prompt_mask=take(self.prompt_mask), generation=gen,
                              completion_texts=pick(self.completion_texts), completions=pick(self.completions),
                              completion_id_lists=pick(self.completion_id_lists), rewards=take(self.rewards),
-                             n_truncated_prompts=0, extra_columns={k: pick(v) for k, v in self.extra_columns.items()})
+                             n_truncated_prompts=0, extra_columns={k: pick(v) for k, v in self.extra_columns.items()},
+                             incidents=self.incidents)
 
     @staticmethod
     def concat(parts: list[ScoredSamples], pad_id: int) -> ScoredSamples:
@@ -84,13 +93,17 @@ class ScoredSamples:
                          tool_mask=tool_mask, messages=messages)
         columns = {k for p in parts for k in p.extra_columns}
         extra = {k: [x for p in parts for x in p.extra_columns.get(k, [None] * len(p))] for k in columns}
+        incidents = Incidents()
+        for p in parts:
+            incidents.merge(p.incidents)
         return ScoredSamples(prompts=cat("prompts"), prompt_texts=cat("prompt_texts"),
                              prompt_ids=_cat_padded([p.prompt_ids for p in parts], pad_id, left=True),
                              prompt_mask=_cat_padded([p.prompt_mask for p in parts], 0, left=True), generation=gen,
                              completion_texts=cat("completion_texts"), completions=cat("completions"),
                              completion_id_lists=cat("completion_id_lists"),
                              rewards=torch.cat([p.rewards for p in parts]),
-                             n_truncated_prompts=sum(p.n_truncated_prompts for p in parts), extra_columns=extra)
+                             n_truncated_prompts=sum(p.n_truncated_prompts for p in parts), extra_columns=extra,
+                             incidents=incidents)
 
 
 def _cat_padded(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
@@ -127,10 +140,13 @@ def prepare_prompts(rows: list[dict], tokenizer, *, chat_template_kwargs: dict |
 
 def score_generation(rows: list[dict], prepared: PreparedPrompts, generation: Generation, tokenizer,
                      reward_funcs: list, reward_processing_classes: list | None = None, *,
-                     reward_kwargs: dict[str, Any] | None = None) -> ScoredSamples:
+                     reward_kwargs: dict[str, Any] | None = None, bounds: CallBounds | None = None,
+                     incidents: Incidents | None = None) -> ScoredSamples:
     """Decode one completion per row and score it with every reward function (TRL's calling convention; the rows'
     other columns and ``reward_kwargs`` are passed by name). A multi-turn completion (``generation.messages``) reaches
-    the reward functions as its list of messages."""
+    the reward functions as its list of messages. ``bounds``: the time bounds of the reward functions; timeouts are
+    counted into ``incidents`` (the samples' own)."""
+    incidents = incidents if incidents is not None else Incidents()
     id_lists = [row[m.bool()].tolist() for row, m in zip(generation.completion_ids, generation.completion_mask)]
     decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
     if generation.messages is not None:
@@ -140,12 +156,13 @@ def score_generation(rows: list[dict], prepared: PreparedPrompts, generation: Ge
                        for t, p in zip(decoded, prepared.prompts)]
     rewards = score_completions(
         reward_funcs, reward_processing_classes or [None] * len(reward_funcs), prompts=prepared.prompts,
-        completions=completions, completion_ids=id_lists, rows=rows, **(reward_kwargs or {}),
+        completions=completions, completion_ids=id_lists, rows=rows, bounds=bounds, incidents=incidents,
+        **(reward_kwargs or {}),
     )
     return ScoredSamples(prompts=prepared.prompts, prompt_texts=prepared.texts, prompt_ids=prepared.ids,
                          prompt_mask=prepared.mask, generation=generation, completion_texts=decoded,
                          completions=completions, completion_id_lists=id_lists, rewards=rewards,
-                         n_truncated_prompts=prepared.n_truncated)
+                         n_truncated_prompts=prepared.n_truncated, incidents=incidents)
 
 
 def sample_and_score(
@@ -162,6 +179,7 @@ def sample_and_score(
     multiturn=None,
     limits=None,
     first_turn: Callable | None = None,
+    bounds: CallBounds | None = None,
 ) -> ScoredSamples:
     """One completion per row, scored: :func:`prepare_prompts`, ``generate(prompt_ids, prompt_mask,
     max_new_tokens=None)``, then :func:`score_generation`.
@@ -169,25 +187,60 @@ def sample_and_score(
     With ``multiturn`` (a :class:`grpokit.tools.MultiTurn`; ``limits`` its :class:`grpokit.tools.TurnLimits`) every
     row first gets its environment (reset with the row) and its tools in the prompt, and replies that call tools
     continue through the tool loop; reward functions get the environments. ``first_turn(rows, tools_per_row)``
-    replaces the first step, returning ``(prepared, generation, rows)`` (the trainer's ``rollout_func``)."""
+    replaces the first step, returning ``(prepared, generation, rows)`` (the trainer's ``rollout_func``).
+
+    ``bounds`` (:class:`grpokit.user_calls.CallBounds`, default its defaults) bound every call into user code:
+    ``first_turn`` and the reward functions by ``reward_timeout_s``, tools and environments by ``tool_timeout_s``.
+    A ``first_turn`` past its bound stops the run: the samples carry the cause (``incidents.stop_cause``), the rows
+    get a one-token placeholder completion and no reward function is called."""
+    bounds = bounds or CallBounds()
+    incidents = Incidents()
     reward_kwargs = dict(reward_kwargs or {})
-    session = multiturn.prepare(rows) if multiturn is not None else None
+    session = multiturn.prepare(rows, bounds, incidents) if multiturn is not None else None
     if session is not None:
         rows = session.rows
         if session.environments is not None:
             reward_kwargs["environments"] = session.environments
     tools_per_row = session.tools_per_row if session is not None else None
+    prompt_args = dict(chat_template_kwargs=chat_template_kwargs, max_prompt_length=max_prompt_length, device=device,
+                       tools_per_row=tools_per_row)
     if first_turn is not None:
-        prepared, generation, rows = first_turn(rows, tools_per_row)
+        prepared, generation, rows = _first_turn(first_turn, rows, tools_per_row, tokenizer, prompt_args, bounds,
+                                                 incidents)
     else:
-        prepared = prepare_prompts(rows, tokenizer, chat_template_kwargs=chat_template_kwargs,
-                                   max_prompt_length=max_prompt_length, device=device, tools_per_row=tools_per_row)
-        generation = generate(prepared.ids, prepared.mask)
+        prepared = prepare_prompts(rows, tokenizer, **prompt_args)
+        with stage("generation"):
+            generation = generate(prepared.ids, prepared.mask)
     calls = failures = None
     if session is not None and multiturn.has_tools:
-        turns = multiturn.loop(generate, prepared.ids, prepared.mask, generation, session, tokenizer, limits)
+        turns = multiturn.loop(generate, prepared.ids, prepared.mask, generation, session, tokenizer, limits, bounds,
+                               incidents)
         generation, calls, failures = turns.generation, turns.calls, turns.failures
     scored = score_generation(rows, prepared, generation, tokenizer, reward_funcs, reward_processing_classes,
-                              reward_kwargs=reward_kwargs)
+                              reward_kwargs=reward_kwargs, bounds=bounds, incidents=incidents)
     scored.tool_calls, scored.tool_failures = calls, failures or 0
     return scored
+
+
+def _first_turn(first_turn: Callable, rows: list[dict], tools_per_row, tokenizer, prompt_args: dict,
+                bounds: CallBounds, incidents: Incidents) -> tuple[PreparedPrompts, Generation, list[dict]]:
+    """``first_turn`` (``rollout_func``) within ``reward_timeout_s``; past it (or when the run is already stopping) a
+    stop, and a placeholder: the rows' prompts and one end-of-sequence token each, which nothing trains on."""
+    if bounds.stopping:
+        incidents.skipped(bounds)
+    else:
+        try:
+            with stage("rollout_func", rows=len(rows)):
+                return call(first_turn, args=(rows, tools_per_row), timeout_s=bounds.reward_timeout_s,
+                            what="rollout_func", where=f" on {len(rows)} prompts")
+        except CallTimeout as e:
+            incidents.count("rollout_func/timeout_total")
+            incidents.stop(f"{e}; a rollout_func that times out stops the run (nothing to train on)", bounds)
+            logger.error("grpokit: %s; the run stops after this batch (nothing to train on)", e)
+    prepared = prepare_prompts(rows, tokenizer, **prompt_args)
+    n = len(rows)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id
+    generation = Generation(completion_ids=torch.full((n, 1), eos, dtype=torch.long),
+                            completion_mask=torch.ones((n, 1), dtype=torch.long),
+                            is_truncated=torch.zeros(n, dtype=torch.bool))
+    return prepared, generation, rows

@@ -6,13 +6,26 @@
 - Every other public method of the environment's class is a tool of that rollout, bound to its instance.
 - ``get_reward()`` (optional) is one more reward source, logged under the class's name.
 - Instances are pooled per factory and reused from batch to batch (made once, reset often).
+
+Every call into an environment during a rollout is bounded by ``tool_timeout_s`` (:mod:`grpokit.user_calls`): a
+``reset`` that passes it leaves the prompt without an observation, a ``get_reward`` gives the row ``None`` (or a
+stop, as ``reward_timeout_action`` says); either is counted. An instance whose call was abandoned refuses further
+calls while that call still runs, and the pool gives the next batch a fresh instance in its place.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
+
+from ..rewards.scoring import RewardFunctionError, reward_timed_out
+from ..user_calls import CallBounds, CallTimeout, Incidents, call, call_many, is_busy
+from .execution import truncate_result
+
+logger = logging.getLogger("grpokit")
 
 _SPECIAL = ("reset", "get_reward")
 
@@ -59,8 +72,9 @@ class Environments:
         probe = self.pool[name][0]
         return [getattr(probe, m) for m in self.methods[name]]
 
-    def acquire(self, rows: list[dict]) -> list:
-        """One instance per row (pooled: the i-th row of a factory takes its i-th instance), reset with the row."""
+    def acquire(self, rows: list[dict], timeout_s: float | None = None) -> list:
+        """One instance per row (pooled: the i-th row of a factory takes its i-th instance; one whose abandoned call
+        still runs is replaced by a fresh one). Making one is bounded by ``timeout_s``."""
         used: dict[Any, int] = {}
         instances = []
         for row in rows:
@@ -69,9 +83,15 @@ class Environments:
             used[name] = i + 1
             pool = self.pool[name]
             while len(pool) <= i:
-                pool.append(self.factories[name]())
+                pool.append(self._make(name, timeout_s))
+            if is_busy(pool[i]):
+                pool[i] = self._make(name, timeout_s)
             instances.append(pool[i])
         return instances
+
+    def _make(self, name: Any, timeout_s: float | None):
+        where = f"environment_factory{'' if name is None else f'[{name!r}]'}"
+        return call(self.factories[name], timeout_s=timeout_s, what=where)
 
     def reward_funcs(self) -> list[Callable]:
         """A reward function per environment class that has ``get_reward``: it scores the rows whose environment is
@@ -82,16 +102,64 @@ class Environments:
             if cls in seen or not callable(getattr(cls, "get_reward", None)):
                 continue
             seen.add(cls)
-            out.append(_environment_reward(cls))
+            out.append(EnvironmentReward(cls))
         return out
 
 
-def _environment_reward(cls) -> Callable:
-    def reward(environments=None, **kwargs):
-        return [e.get_reward() if type(e) is cls else None for e in (environments or [])]
+class EnvironmentReward:
+    """``get_reward()`` of the rollouts' environments of one class, as a reward function (TRL's calling convention):
+    rows whose environment is of another class get None. Scoring calls :meth:`score_bounded`: every row's
+    ``get_reward`` concurrently, within ``tool_timeout_s``."""
 
-    reward.__name__ = reward.__qualname__ = cls.__name__
-    return reward
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.__name__ = self.__qualname__ = cls.__name__
+
+    def __call__(self, environments=None, **kwargs) -> list:
+        return [e.get_reward() if type(e) is self.cls else None for e in (environments or [])]
+
+    def score_bounded(self, kwargs: dict[str, Any], bounds: CallBounds, incidents: Incidents) -> list:
+        envs = list(kwargs.get("environments") or [])
+        mine = [i for i, e in enumerate(envs) if type(e) is self.cls]
+        what = f"{self.__name__}.get_reward()"
+        values = call_many([envs[i].get_reward for i in mine], bounds.tool_timeout_s, [what] * len(mine),
+                           [f" on row {i} of {len(envs)}" for i in mine], owners=[envs[i] for i in mine])
+        out: list = [None] * len(envs)
+        for i, value in zip(mine, values):
+            if isinstance(value, CallTimeout):
+                reward_timed_out(value, self.__name__, bounds, incidents)
+            elif isinstance(value, Exception):
+                raise RewardFunctionError(f"reward function {self.__name__!r} ({what}) raised "
+                                          f"{type(value).__name__}: {value} on row {i} of {len(envs)}") from value
+            else:
+                out[i] = value
+        return out
+
+
+def reset_all(instances: list, rows: list[dict], bounds: CallBounds, incidents: Incidents) -> list:
+    """Every row's ``reset(**row)``, one after another in row order (a reset drawing from a shared random generator
+    stays deterministic), each within ``tool_timeout_s``: per row its observation, cut to ``max_tool_result_chars``
+    (None where it timed out: counted, said, and the prompt gets no observation). A reset that raises stops the run,
+    as before."""
+    whats = [f"{type(e).__name__}.reset()" for e in instances]
+    calls = [functools.partial(e.reset, **r) for e, r in zip(instances, rows)]
+    values = call_many(calls, bounds.tool_timeout_s, whats, [f" on row {i} of {len(rows)}" for i in range(len(rows))],
+                       concurrent=False, owners=instances)
+    out = []
+    for value in values:
+        if isinstance(value, CallTimeout):
+            incidents.count("tools/timeout_total")
+            incidents.count("tools/reset/timeout_total")
+            logger.warning("grpokit: %s; the prompt gets no observation and the environment no further calls while "
+                           "the abandoned call runs", value)
+            value = None
+        elif isinstance(value, Exception):
+            raise value
+        value, cut = truncate_result(value, bounds.max_tool_result_chars)
+        if cut:
+            incidents.count("tools/truncated_total", cut)
+        out.append(value)
+    return out
 
 
 def reset_prompt(prompt: Any, observation: Any) -> Any:

@@ -1,15 +1,24 @@
 """Running the tool calls of a batch of rollouts: each rollout's calls in order, the rollouts concurrently (a thread
 per rollout, async tools awaited in it). A tool that raises, an unknown tool name or an invalid call becomes an
-error message in the tool turn, counted as a failure, never a crash of the run (messages as TRL writes them)."""
+error message in the tool turn, counted as a failure, never a crash of the run (messages as TRL writes them).
+
+Each call is bounded by ``timeout_s`` (``tool_timeout_s``, :mod:`grpokit.user_calls`): past it the model gets an
+error message saying so, the call is counted as a failure and a timeout, and it is abandoned. A result longer than
+``max_chars`` characters (``max_tool_result_chars``) is cut with a marker saying how long it was."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
+import functools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from ..user_calls import CallTimeout, call
+from ..watchdog import stage
+
+logger = logging.getLogger("grpokit")
 
 
 @dataclass
@@ -18,35 +27,67 @@ class ToolResult:
     content: Any
     """What goes into the tool message: ``str(result)``, a list of content blocks as returned, or the error."""
     failed: bool
+    timed_out: bool = False
+    """The call passed its bound (``failed`` too)."""
+    cut: int = 0
+    """How many texts of the result were cut to ``max_chars``."""
 
 
-def _run_one(call: dict[str, Any], tools: dict[str, Callable]) -> ToolResult:
-    fn_spec = call.get("function", {})
+def truncate_result(content: Any, max_chars: int | None) -> tuple[Any, int]:
+    """A tool result or observation (text, or a list of content blocks) with every text longer than ``max_chars``
+    cut and marked; and how many texts were cut."""
+    if max_chars is None or content is None:
+        return content, 0
+    if isinstance(content, list):
+        blocks, n = [], 0
+        for b in content:
+            if isinstance(b, dict) and isinstance(b.get("text"), str):
+                text, k = truncate_result(b["text"], max_chars)
+                b, n = dict(b, text=text), n + k
+            blocks.append(b)
+        return blocks, n
+    text = content if isinstance(content, str) else str(content)
+    if len(text) <= max_chars:
+        return content, 0
+    return f"{text[:max_chars]}\n[... cut by grpokit: {len(text):,} characters, the first {max_chars:,} shown]", 1
+
+
+def _run_one(tool_call: dict[str, Any], tools: dict[str, Callable], timeout_s: float | None = None,
+             max_chars: int | None = None, row: int | None = None, environment: Any = None) -> ToolResult:
+    fn_spec = tool_call.get("function", {})
     name = str(fn_spec.get("name", "unknown"))
-    if "error" in call:
-        return ToolResult(name, str({"error": call["error"]}), True)
-    if call.get("type", "function") != "function":
-        return ToolResult(name, str({"error": f"Unsupported tool call type: {call.get('type')}"}), True)
+    if "error" in tool_call:
+        return ToolResult(name, str({"error": tool_call["error"]}), True)
+    if tool_call.get("type", "function") != "function":
+        return ToolResult(name, str({"error": f"Unsupported tool call type: {tool_call.get('type')}"}), True)
     try:
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
-        result = tools[name](**fn_spec.get("arguments", {}))
-        if inspect.isawaitable(result):
-            result = asyncio.run(_await(result))
+        fn = tools[name]
+        owner = environment if environment is not None and getattr(fn, "__self__", None) is environment else None
+        with stage("tool", function=repr(name), row=row):
+            result = call(functools.partial(fn, **fn_spec.get("arguments", {})), timeout_s=timeout_s,
+                          what=f"tool {name!r}", owner=owner)
+    except CallTimeout as e:
+        logger.warning("grpokit: %s%s; the model gets an error message instead", e,
+                       f" (row {row})" if row is not None else "")
+        return ToolResult(name, str({"error": str(e)}), True, timed_out=True)
     except Exception as e:  # noqa: BLE001 - a tool's failure is the model's to read, not the run's to die of
         return ToolResult(name, str({"error": str(e)}), True)
-    return ToolResult(name, result if isinstance(result, list) else str(result), False)
-
-
-async def _await(awaitable):
-    return await awaitable
+    content, cut = truncate_result(result if isinstance(result, list) else str(result), max_chars)
+    return ToolResult(name, content, False, cut=cut)
 
 
 def run_calls(calls_per_row: list[list[dict[str, Any]]], tools_per_row: list[dict[str, Callable]],
-              max_workers: int = 16) -> list[list[ToolResult]]:
-    """The results of every row's calls, in call order; rows run concurrently."""
+              max_workers: int = 16, timeout_s: float | None = None, max_chars: int | None = None,
+              rows: list[int] | None = None, environments: list | None = None) -> list[list[ToolResult]]:
+    """The results of every row's calls, in call order; rows run concurrently. ``rows``: each row's index in the
+    batch, for messages; ``environments``: each row's environment instance, whose methods are never called while
+    an abandoned call on it still runs."""
     def row(i: int) -> list[ToolResult]:
-        return [_run_one(c, tools_per_row[i]) for c in calls_per_row[i]]
+        env = environments[i] if environments else None
+        return [_run_one(c, tools_per_row[i], timeout_s, max_chars, rows[i] if rows else i, env)
+                for c in calls_per_row[i]]
 
     busy = [i for i, calls in enumerate(calls_per_row) if calls]
     results: list[list[ToolResult]] = [[] for _ in calls_per_row]

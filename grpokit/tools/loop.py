@@ -6,7 +6,9 @@ tokens (:class:`ToolTurnTokens`), and the completion grows by the tool turn and 
 the tool turn's tokens (the model did not generate them: no loss, no entropy, not counted in lengths) and 1 on the
 model's own. The whole completion — every reply and every tool turn — stays within ``max_completion_length``: a tool
 turn that would not fit is rolled back (its calls were made and are counted) and the rollout ends; a reply is cut to
-what is left.
+what is left. Each tool call is bounded by ``tool_timeout_s`` and each result cut to ``max_tool_result_chars``
+(``bounds``, :mod:`grpokit.tools.execution`), so no call freezes the loop and no result is tokenised whole however
+long it is; a run that is stopping (``bounds.stopping``) calls no more tools.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 import torch
 
 from ..rollout.base import Generation
-from .execution import run_calls, tool_message
+from ..user_calls import CallBounds, Incidents
+from ..watchdog import stage
+from .execution import ToolResult, run_calls, tool_message
 from .parsing import ParsedTurn, parse_turn
 from .templates import ToolTurnTokens
 
@@ -72,9 +76,16 @@ def run_tool_loop(
     max_completion_length: int,
     max_model_len: int | None = None,
     chat_template_kwargs: dict | None = None,
+    bounds: CallBounds | None = None,
+    incidents: Incidents | None = None,
+    environments: list | None = None,
 ) -> ToolRollouts:
     """Run the loop on ``first`` (the first replies). ``generate(ids, mask, max_new_tokens)`` samples one reply per
-    row of left-padded prompts."""
+    row of left-padded prompts. ``bounds`` (default: :class:`grpokit.user_calls.CallBounds`' defaults) bound each
+    call and result; timeouts and cut results are counted into ``incidents``. ``environments``: each row's
+    environment instance (calls on one are refused while an abandoned one runs)."""
+    bounds = bounds or CallBounds()
+    incidents = incidents if incidents is not None else Incidents()
     eos = set(eos_ids)
     turns = ToolTurnTokens(tokenizer, eos_ids, chat_template_kwargs)
     rollouts = []
@@ -83,14 +94,18 @@ def run_tool_loop(
         parsed, calls = _parse(tokens, tokenizer, style, eos)
         rollouts.append(_Rollout(prompt, tokens, [1] * len(tokens), [parsed.message()], parsed if calls else None, lp))
     n_calls = n_failures = rounds = 0
-    while any(r.turn is not None for r in rollouts) and (max_iterations is None or rounds < max_iterations):
+    while (any(r.turn is not None for r in rollouts) and (max_iterations is None or rounds < max_iterations)
+           and not bounds.stopping):
         active = [i for i, r in enumerate(rollouts) if r.turn is not None]
-        results = run_calls([rollouts[i].turn.calls for i in active], [tools_per_row[i] for i in active])
+        results = run_calls([rollouts[i].turn.calls for i in active], [tools_per_row[i] for i in active],
+                            timeout_s=bounds.tool_timeout_s, max_chars=bounds.max_tool_result_chars, rows=active,
+                            environments=[environments[i] for i in active] if environments else None)
         continuing, suffixes = [], {}
         for i, row_results in zip(active, results):
             r = rollouts[i]
             n_calls += len(row_results)
             n_failures += sum(res.failed for res in row_results)
+            _count(row_results, incidents)
             msgs = [tool_message(res) for res in row_results]
             suffix = turns.suffix(msgs)
             total = len(r.prompt) + len(r.tokens) + len(suffix)
@@ -108,6 +123,15 @@ def run_tool_loop(
     return ToolRollouts(generation=generation, messages=generation.messages, calls=n_calls, failures=n_failures)
 
 
+def _count(results: list[ToolResult], incidents: Incidents) -> None:
+    for res in results:
+        if res.timed_out:
+            incidents.count("tools/timeout_total")
+            incidents.count(f"tools/{res.name}/timeout_total")
+        if res.cut:
+            incidents.count("tools/truncated_total", res.cut)
+
+
 def _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, max_completion_length) -> None:
     """Generate the next reply of every continuing rollout and append the tool turn and the reply."""
     prompts = [rollouts[i].prompt + rollouts[i].tokens + suffixes[i][0] for i in continuing]
@@ -118,7 +142,8 @@ def _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, m
     for j, p in enumerate(prompts):
         ids[j, width - len(p):] = torch.tensor(p)
         mask[j, width - len(p):] = 1
-    out = generate(ids, mask, max(budgets))
+    with stage("generation", turn="after tool results"):
+        out = generate(ids, mask, max(budgets))
     for j, (tokens, lp) in enumerate(_valid(out.completion_ids, out.completion_mask, out.sampler_logps)):
         i = continuing[j]
         r = rollouts[i]

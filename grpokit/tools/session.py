@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .environments import Environments, reset_prompt
+from ..user_calls import CallBounds, Incidents
+from ..watchdog import stage
+from .environments import Environments, reset_all, reset_prompt
 from .loop import ToolRollouts, run_tool_loop
 from .parsing import detect_style
 from .templates import supports_tool_calls
@@ -94,13 +96,19 @@ class MultiTurn:
     def reward_funcs(self) -> list[Callable]:
         return self.environments.reward_funcs() if self.environments is not None else []
 
-    def prepare(self, rows: list[dict]) -> PreparedRows:
-        """Each row's environment (reset with the row, its observation appended to the prompt) and tools."""
+    def prepare(self, rows: list[dict], bounds: CallBounds | None = None,
+                incidents: Incidents | None = None) -> PreparedRows:
+        """Each row's environment (reset with the row, its observation appended to the prompt) and tools; every
+        environment call within ``bounds.tool_timeout_s`` (timeouts and cut observations counted into ``incidents``)."""
         envs = None
         if self.environments is not None:
-            envs = self.environments.acquire(rows)
-            rows = [dict(r, prompt=reset_prompt(r.get("prompt") or [{"role": "user", "content": ""}],
-                                                e.reset(**r))) for r, e in zip(rows, envs)]
+            bounds = bounds or CallBounds()
+            incidents = incidents if incidents is not None else Incidents()
+            envs = self.environments.acquire(rows, bounds.tool_timeout_s)
+            with stage("environment", method="reset", rows=len(rows)):
+                observations = reset_all(envs, rows, bounds, incidents)
+            rows = [dict(r, prompt=reset_prompt(r.get("prompt") or [{"role": "user", "content": ""}], o))
+                    for r, o in zip(rows, observations)]
         tools_per_row = []
         for i, row in enumerate(rows):
             tools = list(self.tools)
@@ -111,8 +119,8 @@ class MultiTurn:
                             tool_dicts=[{t.__name__: t for t in tools} for tools in tools_per_row])
 
     def loop(self, generate, prompt_ids, prompt_mask, first, prepared: PreparedRows, tokenizer,
-             limits: TurnLimits) -> ToolRollouts:
+             limits: TurnLimits, bounds: CallBounds | None = None, incidents: Incidents | None = None) -> ToolRollouts:
         """The tool loop from the first replies ``first`` (see :func:`grpokit.tools.loop.run_tool_loop`)."""
         return run_tool_loop(generate, prompt_ids, prompt_mask, first, tokenizer, prepared.tool_dicts, self.style,
                              limits.eos_ids, self.max_iterations, limits.max_completion_length, limits.max_model_len,
-                             self.chat_template_kwargs)
+                             self.chat_template_kwargs, bounds, incidents, prepared.environments)

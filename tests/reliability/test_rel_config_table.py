@@ -97,6 +97,14 @@ BAD: list[tuple[str, dict, tuple[str, ...]]] = [
     ("run_name_int", {"run_name": 5}, ("run_name=5", "expected a string")),
     ("output_dir_list", {"output_dir": [1]}, ("output_dir=[1]", "expected a string")),
     ("eval_strategy", {"eval_strategy": "steps"}, ("eval_strategy='steps'", "use 'no'")),
+    # the bounds on user code (docs/reliability.md)
+    ("reward_timeout_zero", {"reward_timeout_s": 0}, ("reward_timeout_s=0", "(0, inf)")),
+    ("reward_timeout_text", {"reward_timeout_s": "soon"}, ("reward_timeout_s='soon'", "expected float")),
+    ("reward_timeout_action", {"reward_timeout_action": "skip"}, ("reward_timeout_action='skip'", "'none', 'stop'")),
+    ("tool_timeout_negative", {"tool_timeout_s": -1}, ("tool_timeout_s=-1", "(0, inf)")),
+    ("tool_result_chars_zero", {"max_tool_result_chars": 0}, ("max_tool_result_chars=0", "[1, inf)")),
+    ("stall_timeout_inf", {"stall_timeout_s": float("inf")}, ("stall_timeout_s=inf", "finite")),
+    ("stall_action", {"stall_action": "exit"}, ("stall_action='exit'", "'report', 'save_and_exit'")),
     # job keys
     ("unknown_key_typo", {"loss_typ": "dapo"}, ("unknown config key 'loss_typ'", "did you mean loss_type")),
     ("unknown_key", {"frobnicate": 1}, ("unknown config key 'frobnicate'", "GRPOConfig fields")),

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from reliability_helpers import LoadGuard, chat_dataset, make_args, make_trainer, params_of, tiny_tokenizer
+from reliability_helpers import LoadGuard, chat_dataset, make_args, make_trainer, tiny_tokenizer
+from runs import params_of
 
 from grpokit.data import tokenize_prompts
 from grpokit.rewards import RewardFunctionError, score_completions

@@ -212,6 +212,14 @@ FILES: list[tuple[str, bytes | None, list[str], tuple[str, ...]]] = [
      ("unknown config key 'learning_rte'", "did you mean learning_rate")),
     ("set_negative_max_steps", GOOD_YAML.encode(), ["train", "{cfg}", "--set", "max_steps=-1.5"],
      ("max_steps=-1.5",)),
+    # `--set output_dir=$RUN_DIR` with RUN_DIR unset: refused as an empty value in the file is, not trainer_output/
+    ("set_output_dir_empty", GOOD_YAML.encode(), ["train", "{cfg}", "--set", "output_dir="],
+     ("output_dir=''", "expected a directory path")),
+    ("set_output_dir_blank", GOOD_YAML.encode(), ["train", "{cfg}", "--set", "output_dir=  "],
+     ("output_dir='  '", "expected a directory path")),
+    ("set_max_steps_empty", GOOD_YAML.encode(), ["train", "{cfg}", "--set", "max_steps="], ("max_steps=''",)),
+    ("output_dir_null_in_file", b"model: x\ntask: arithmetic\noutput_dir:\n", ["train", "{cfg}"],
+     ("output_dir=None", "expected a directory path")),
     ("huge_value_bounded", f"model: x\ntask: arithmetic\nloss_type: {HUGE}\n".encode(), ["train", "{cfg}"],
      ("loss_type=", "characters", "use one of")),
     ("huge_key_bounded", f"model: x\ntask: arithmetic\n{HUGE}: 1\n".encode(), ["train", "{cfg}"],
@@ -250,7 +258,7 @@ def test_files_and_flags(monkeypatch, tmp_path, capsys, case_id, content, argv, 
         assert len(err.splitlines()) == 1 and "Traceback" not in err, err[:1500]
     check_message(err, snippets)
     assert guard.calls == []
-    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "trainer_output").exists()
 
 
 # -- grpokit eval: every loading problem is one line -------------------------------------------------------------
@@ -336,9 +344,17 @@ def test_a_tokenizer_larger_than_the_embedding(tmp_path):
     assert f"the tokenizer has {len(tok)} tokens but the model's embedding has {len(tok) - 7} rows" in str(e.value)
 
 
-def test_lora_target_modules_through_the_cli(tmp_path, tiny_dir, capsys):
+def test_lora_target_modules_through_the_cli_before_any_evaluation(tmp_path, tiny_dir, capsys):
+    """A typo in lora.target_modules is reported as soon as the model is loaded, before the evaluation before
+    training (minutes on a real model) runs."""
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(dict(BASE, model=str(tiny_dir), output_dir=str(tmp_path / "out"),
-                                       eval={"n": 2, "max_new_tokens": 4, "before": False},
-                                       lora={"r": 4, "target_modules": ["q_projection"]})))
-    check_message(run_cli(["train", str(cfg)], capsys), ("lora.target_modules", "q_projection", "matches no module"))
+    out = tmp_path / "out"
+    cfg.write_text(yaml.safe_dump(dict(BASE, model=str(tiny_dir), output_dir=str(out),
+                                       eval={"n": 2, "max_new_tokens": 4, "before": True},
+                                       lora={"r": 4, "target_modules": ["q_projection", "v_projection"]})))
+    assert main(["train", str(cfg)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("grpokit: error:") and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    check_message(err, ("lora.target_modules=", "q_projection", "matches no module", "q_proj, up_proj, v_proj"))
+    assert "evaluating" not in captured.out and not (out / "eval_before.json").exists()

@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 from hang import HANG_S
-from reliability_helpers import chat_dataset, make_trainer, params_of
+from reliability_helpers import chat_dataset, make_trainer
+from runs import params_of
 from transformers import TrainerCallback
 
 from grpokit.callbacks import GracefulInterrupt

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 from conftest import FixedRollout
-from reliability_helpers import make_trainer, params_of, tiny_tokenizer
+from reliability_helpers import make_trainer, tiny_tokenizer
+from runs import params_of
 from transformers import TrainerCallback
 
 import grpokit.trainer as trainer_module

@@ -8,15 +8,18 @@ half-written and the previous checkpoint intact. Through the Python API and thro
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 import yaml
 from hang import HANG_S
 from reliability_helpers import make_trainer
@@ -48,6 +51,8 @@ RUN_DIR_CASES = [
     "cli: output directory locked by another process",
     "cli: resume with num_generations changed refused, --force continues",
     "cli: full disk during a save",
+    "cli: full disk of a real small file system during a save (safetensors' own error)",
+    "files: a full disk recognised from each writer's error (OSError, safetensors, torch.save)",
     "cli: damaged eval_before.json re-measured on resume",
     "cli: the demo's default directory never replaces an earlier demo",
 ]
@@ -68,8 +73,6 @@ def earlier(tmp_path_factory):
 
 
 def copy_of(run: Path, tmp_path: Path) -> Path:
-    import shutil
-
     dst = tmp_path / "out"
     shutil.copytree(run, dst)
     return dst
@@ -266,6 +269,120 @@ def test_cli_a_full_disk_during_a_save(monkeypatch, tmp_path, tiny_dir, capsys):
     assert "no space left" in err and "checkpoint-1 is intact" in err
     assert not [p for p in out.iterdir() if ".tmp" in p.name]
     assert verify_checkpoint(out / "checkpoint-1") == 1
+
+
+class FillTheDisk(transformers.TrainerCallback):
+    """Once checkpoint ``after`` is saved, fill the file system of ``mount`` but ``leave`` bytes: enough for the log
+    lines of the next step, not for the next checkpoint's weights."""
+
+    def __init__(self, mount: Path, after: int, leave: int):
+        self.mount, self.after, self.leave = mount, after, leave
+
+    def on_save(self, args, state, control, **kw):
+        if state.global_step == self.after:
+            free = shutil.disk_usage(self.mount).free
+            (self.mount / "filler").write_bytes(b"\0" * max(0, free - self.leave))
+
+
+def mount_small_tmpfs(where: Path, size: str) -> str | None:
+    """Mount a tmpfs of ``size`` at ``where``; None when mounted, else why it could not be."""
+    if shutil.which("mount") is None:
+        return "there is no mount command"
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                       text=True, timeout=60)
+    return None if r.returncode == 0 else (r.stderr.strip() or f"mount exited with {r.returncode}")
+
+
+IN_NAMESPACE = "GRPOKIT_TEST_IN_MOUNT_NAMESPACE"
+
+
+def rerun_in_a_mount_namespace(test_id: str, why: str) -> None:
+    """This test again, alone, in a user and mount namespace of its own (``unshare -rm``), where an unprivileged user
+    may mount a tmpfs; skipped with the reasons when that is not allowed either."""
+    if os.environ.get(IN_NAMESPACE):
+        pytest.fail(f"a tmpfs cannot be mounted even in a mount namespace: {why}")
+    if shutil.which("unshare") is None:
+        pytest.skip(f"a full disk needs a small real file system: mounting a tmpfs failed ({why}) and there is no "
+                    "unshare command to mount one in a namespace")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"a full disk needs a small real file system: mounting a tmpfs failed ({why}) and user namespaces "
+                    f"are not allowed here (unshare -rm: {probe.stderr.strip()})")
+    r = subprocess.run(["unshare", "-rm", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
+                       env=dict(os.environ, **{IN_NAMESPACE: "1"}), capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, f"in a mount namespace:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
+
+
+def test_cli_a_full_disk_of_a_real_small_file_system(monkeypatch, tmp_path, tiny_dir, capsys, request):
+    """The disk really fills during checkpoint-2 (a tmpfs of a few MB, filled up after checkpoint-1): safetensors'
+    writer fails with its own error, which carries no errno (``SafetensorError: ... No space left on device (os error
+    28)``), and the run still ends in the one-line disk-full message, checkpoint-1 intact and nothing left behind."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    why = mount_small_tmpfs(mount, "8m")
+    if why is not None:
+        rerun_in_a_mount_namespace(f"{request.path}::{request.node.name}", why)
+        return
+    try:
+        import grpokit.checkpoints
+        import grpokit.job
+
+        seen = []
+        judge = grpokit.checkpoints.is_disk_full
+        monkeypatch.setattr(grpokit.checkpoints, "is_disk_full",
+                            lambda e, path=None: seen.append(f"{type(e).__name__}: {e}") or judge(e, path))
+        monkeypatch.setattr(grpokit.job, "run_job", functools.partial(
+            grpokit.job.run_job, callbacks=[FillTheDisk(mount, after=1, leave=48 << 10)]))
+        out = mount / "out"
+        capsys.readouterr()
+        assert main(["train", str(job_config(tmp_path, tiny_dir, out, max_steps=3, eval={"before": False})),
+                     "--quiet"]) == 1
+        err = one_line_error(capsys)
+        assert err == (f"grpokit: error: no space left on the device of '{out}' while saving checkpoint-2: it was not "
+                       "written (nothing half-written is left); checkpoint-1 is intact. Free some space, then resume "
+                       "(with --resume)")
+        assert len(seen) == 1 and seen[0].startswith("SafetensorError: ") and "(os error 28)" in seen[0]
+        assert sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) == ["checkpoint-1", "metrics.jsonl"]
+        assert verify_checkpoint(out / "checkpoint-1") == 1
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=60)
+
+
+def test_every_writer_s_full_disk_is_recognised(tmp_path, request):
+    """On a full tmpfs each writer fails its own way: a plain write with ENOSPC, safetensors with a text only, torch.save
+    with a RuntimeError that says nothing of it (recognised by the space left); an error with room to spare is not
+    a full disk."""
+    import torch
+    from safetensors.torch import save_file
+
+    from grpokit.files import is_disk_full
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    why = mount_small_tmpfs(mount, "256k")
+    if why is not None:
+        rerun_in_a_mount_namespace(f"{request.path}::{request.node.name}", why)
+        return
+    try:
+        (mount / "filler").write_bytes(b"\0" * (shutil.disk_usage(mount).free - (16 << 10)))
+        errors = []
+        for write in (lambda: (mount / "plain.bin").write_bytes(b"\0" * (64 << 10)),
+                      lambda: save_file({"w": torch.zeros(16 << 10)}, str(mount / "w.safetensors")),
+                      lambda: torch.save({"w": torch.zeros(16 << 10)}, str(mount / "w.pt"))):
+            with pytest.raises(Exception) as e:
+                write()
+            errors.append(e.value)
+        assert isinstance(errors[0], OSError) and errors[0].errno == errno.ENOSPC and is_disk_full(errors[0])
+        assert type(errors[1]).__name__ == "SafetensorError" and is_disk_full(errors[1])  # from its text alone
+        assert isinstance(errors[2], RuntimeError) and not is_disk_full(errors[2])  # nothing in torch's text...
+        assert is_disk_full(errors[2], mount)  # ...but the file system it wrote to is full
+        assert not is_disk_full(ValueError("bad value"), tmp_path)  # room to spare: another error
+        try:
+            raise RuntimeError("saving failed") from errors[1]
+        except RuntimeError as chained:
+            assert is_disk_full(chained)  # the cause says it
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=60)
 
 
 def test_cli_damaged_eval_before_is_measured_again(earlier_job, tmp_path, tiny_dir, capsys):
