@@ -8,7 +8,8 @@ Rules (never a silent zero): a list, tuple, tensor or numpy array of exactly one
 a finite real number (Python, numpy or a one-element tensor) or ``None``. ``None`` means "not applicable": that
 function is left out of the row's reward; a row every function skips gets advantage 0 and no gradient. NaN,
 ±inf, strings, booleans and a wrong count are errors naming the function and the row. A function that raises is
-called again one row at a time to find the row that fails; the error names both.
+called again one row at a time to find the row that fails; the error names both (not a scoring service that stops the
+run, :class:`~grpokit.rewards.service.RewardServiceError`: its message already names the cause).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from ..data import is_conversational
 from .registry import reward_func_name
+from .service import RewardServiceError
 
 logger = logging.getLogger("grpokit")
 
@@ -154,6 +156,8 @@ def score_completions(
             continue
         try:
             value = func(**kwargs)
+        except RewardServiceError as e:  # a service's own verdict, cause named: no row to look for
+            raise RewardFunctionError(str(e)) from e
         except Exception as e:
             raise _reward_error(name, func, kwargs, n, e) from e
         if inspect.isawaitable(value):
@@ -164,6 +168,8 @@ def score_completions(
         values = _run_async(list(pending.values()))
         for (k, _), value in zip(pending.items(), values):
             name = reward_func_name(reward_funcs[k])
+            if isinstance(value, RewardServiceError):
+                raise RewardFunctionError(str(value)) from value
             if isinstance(value, BaseException):
                 raise _reward_error(name, reward_funcs[k], kwargs, n, value) from value
             results[k] = _check_values(name, value, n, prompts, completions)
