@@ -115,8 +115,7 @@ class LLMJudge:
         self.fields = template_fields(owner, "prompt", prompt)
         if system is not None:
             self.fields += template_fields(owner, "system", system)
-        self.rule = ScoreRule(tuple(score_range) if isinstance(score_range, (list, tuple)) else score_range,
-                              normalize, labels, json_field, pattern).check(owner)
+        self.rule = ScoreRule(score_range, normalize, labels, json_field, pattern).check(owner)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
             raise ValueError(f"{owner}.temperature={temperature!r} is not allowed: expected a number in [0, 2]")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
