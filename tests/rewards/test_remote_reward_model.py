@@ -45,8 +45,10 @@ def test_tei_scores_are_the_models_first_logit(server, classifier):
     expected = _reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
     assert out == pytest.approx(expected, abs=1e-5)
     assert server.paths() == ["/predict", "/predict"]  # 3 texts in requests of 2
-    assert server.requests[0]["body"] == {"inputs": [PROMPTS[0] + COMPLETIONS[0], PROMPTS[1] + COMPLETIONS[1]],
-                                          "raw_scores": True, "truncate": True}
+    bodies = sorted((r["body"] for r in server.requests), key=lambda b: len(b["inputs"]))  # sent concurrently
+    assert bodies == [{"inputs": [PROMPTS[2] + COMPLETIONS[2]], "raw_scores": True, "truncate": True},
+                      {"inputs": [PROMPTS[0] + COMPLETIONS[0], PROMPTS[1] + COMPLETIONS[1]], "raw_scores": True,
+                       "truncate": True}]
     second = RemoteRewardModel(server.url, label="LABEL_1")(prompts=PROMPTS, completions=COMPLETIONS)
     assert second == pytest.approx([row[1] for row in logits([p + c for p, c in zip(PROMPTS, COMPLETIONS)])],
                                    abs=1e-5)
