@@ -16,7 +16,8 @@ Isolation, strongest first (the first that works is used; ``Isolation.protection
 * not root: a user namespace (root inside, your uid outside), where the kernel allows unprivileged ones.
 * Linux namespaces where the kernel allows them: network (no interface up: no network at all), pid (the run sees
   only its own processes, and when it ends every process it started ends with it), mount (every mount read-only but
-  the work directory, a fresh ``/proc`` and a private ``/dev/shm``).
+  the work directory; a fresh ``/proc``; fresh, small ``/tmp``, ``/var/tmp``, ``/run`` and ``/dev/shm``, so what
+  others left there, files and Unix sockets, is out of sight).
 * every capability dropped and ``no_new_privs`` set (setuid programs cannot give privileges back).
 """
 
@@ -64,12 +65,12 @@ class Limits:
     processes: int = 32
     open_files: int = 64
     output_bytes: int = 64 * 1024
-    shm_mb: int = 16
+    tmpfs_mb: int = 16
 
     def for_child(self) -> dict:
         cpu = self.cpu_s if self.cpu_s is not None else self.timeout_s
         return {"cpu_s": max(1, int(cpu + 0.999)), "memory_bytes": self.memory_mb << 20, "file_bytes": self.file_mb << 20,
-                "processes": self.processes, "open_files": self.open_files, "shm_mb": self.shm_mb}
+                "processes": self.processes, "open_files": self.open_files, "tmpfs_mb": self.tmpfs_mb}
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class Isolation:
         if self.pidns:
             out.append("pid namespace: only its own processes visible, all ended with the run")
         if self.mountns:
-            out.append("mount namespace: read-only file system except the work directory, private /proc and /dev/shm")
+            out.append("mount namespace: read-only file system except the work directory; private /proc, /tmp, /var/tmp, "
+                       "/run, /dev/shm")
         return out
 
     def gaps(self) -> list[str]:

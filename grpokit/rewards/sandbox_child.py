@@ -4,11 +4,12 @@ another interpreter than the trainer's) and no grpokit import.
 
 It reads one JSON object from stdin (the isolation to set up, the limits, the code, the tests and a per-run token),
 then: enters the namespaces asked for (user, mount, network, pid), makes every mount read-only except the work
-directory, mounts a fresh /proc and /dev/shm, sets the resource limits, drops to the sandbox uid and every
-capability, forbids gaining privileges again, and runs the code and then each test in one namespace. Results go to
-the file descriptor the job names (a pipe to the parent), one line each, prefixed with the token: ``ready``, ``test I
-pass`` / ``test I fail KIND``, ``code error KIND``, ``done``. A setup step that fails writes ``sandbox STEP: ERROR``
-and exits with status 112, so a sandbox is never silently weaker than the one asked for.
+directory, mounts a fresh /proc and private /tmp, /var/tmp, /run and /dev/shm, sets the resource limits, drops to
+the sandbox uid and every capability, forbids gaining privileges again, and runs the code and then each test in one
+namespace. Results go to the file descriptor the job names (a pipe to the parent), one line each, prefixed with the
+token: ``ready``, ``test I pass`` / ``test I fail KIND``, ``code error KIND``, ``done``. A setup step that fails
+writes ``sandbox STEP: ERROR`` and exits with status 112, so a sandbox is never silently weaker than the one asked
+for.
 """
 
 import builtins
@@ -88,10 +89,16 @@ def mount_points():
     return out
 
 
-def read_only_except(workdir, shm_mb):
-    """Every mount read-only except ``workdir`` (a bind mount of itself); /dev/shm a fresh small tmpfs."""
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
+"""Replaced by fresh, small, private tmpfs mounts (the work directory bound back in where it lies below one): what
+other users and programs leave there (files, Unix sockets) is out of sight."""
+
+
+def private_file_system(workdir, tmpfs_mb):
+    """Every mount read-only except ``workdir`` (a bind mount of itself); :data:`PRIVATE_DIRS` fresh tmpfs mounts."""
     mount(None, "/", None, MS_REC | MS_PRIVATE, None, "making mounts private")
     mount(workdir, workdir, None, MS_BIND, None, "binding the work directory")
+    fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
     for point, options in mount_points():
         if point == workdir or point == "/proc" or point.startswith("/proc/") or "ro" in options:
             continue
@@ -99,8 +106,14 @@ def read_only_except(workdir, shm_mb):
         for name in options:
             flags |= MOUNT_FLAGS.get(name, 0)
         mount(None, point, None, flags, None, f"remounting {point} read-only")
-    if os.path.isdir("/dev/shm"):
-        mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={shm_mb}m,mode=1777", "mounting /dev/shm")
+    for path in PRIVATE_DIRS:
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_mb}m,mode=1777", f"mounting {path}")
+        if workdir.startswith(path + "/"):
+            os.makedirs(workdir, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", workdir, None, MS_BIND, None, "binding the work directory back")
+    os.close(fd)
 
 
 def drop_privileges(iso):
@@ -164,16 +177,21 @@ def run_harness(token, code, tests, result_fd):
         if os.getpid() == me:
             os.write(result_fd, (" ".join([token, *map(str, parts)]) + "\n").encode())
 
+    def finish():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:  # noqa: BLE001, S110 - a closed or replaced stream: nothing to flush
+                pass
+        os._exit(0)
+
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     report("ready")
     try:
         exec(compile(code, "<completion>", "exec"), namespace)
-    except MemoryError:
-        report("code", "error", "MemoryError")
-        os._exit(0)
     except BaseException as e:  # noqa: BLE001 - whatever the code raises, SystemExit included, is its failure
         report("code", "error", type(e).__name__)
-        os._exit(0)
+        finish()
     for i, test in enumerate(tests):
         try:
             exec(compile(test, f"<test {i}>", "exec"), namespace)
@@ -182,12 +200,7 @@ def run_harness(token, code, tests, result_fd):
         else:
             report("test", i, "pass")
     report("done")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:  # noqa: BLE001, S110 - a closed or replaced stream: nothing to flush
-            pass
-    os._exit(0)
+    finish()
 
 
 def setup(job):
@@ -200,7 +213,7 @@ def setup(job):
         if pid:
             os._exit(wait_status(pid))
     if iso.get("mountns"):
-        read_only_except(workdir, job["limits"]["shm_mb"])
+        private_file_system(workdir, job["limits"]["tmpfs_mb"])
         if iso.get("pidns"):
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "mounting /proc")
         os.chdir(workdir)  # into the bind mount: the one writable place
