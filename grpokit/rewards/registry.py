@@ -113,7 +113,7 @@ def get_reward_func(name_or_spec: str | dict | RewardFunc) -> RewardFunc:
     mapping (``{"CodeExecution": {"timeout_s": 5}}``, :func:`reward_from_mapping`).
 
     A callable is returned unchanged. Importing a spec runs that module's code, as any import does;
-    model outputs are never executed.
+    model outputs are never executed in this process (``CodeExecution`` runs code in a sandboxed child).
     """
     if callable(name_or_spec):
         return name_or_spec
