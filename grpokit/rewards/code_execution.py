@@ -97,7 +97,7 @@ class CodeExecution:
         max_processes: processes (and threads) a run may have at once.
         max_open_files: open file descriptors per process.
         max_output_bytes: stdout and stderr together; past it the run is killed.
-        workers: runs at a time (default: the CPUs this process may use).
+        workers: runs at a time (default: the CPUs this process may use, divided among the ranks of this machine).
         python: the interpreter that runs the code (default: this one, or a system ``python3`` when the sandbox's
             uid cannot read this one).
         workdir_root: where the fresh work directories are made (default: the system's temporary directory).
@@ -169,7 +169,11 @@ class CodeExecution:
         if self.workers is not None:
             return min(self.workers, n)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(cores, n, MAX_WORKERS))
+        try:  # ranks of one machine score at the same moment: they share its cores
+            ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            ranks_here = 1
+        return max(1, min(cores // ranks_here, n, MAX_WORKERS))
 
     def _run_all(self, jobs: list[tuple[int, str, list[str]]]) -> dict[int, RunResult]:
         iso = self.isolation

@@ -352,7 +352,7 @@ def run_sandboxed(code: str, tests: list[str], limits: Limits, iso: Isolation, s
     job = {"isolation": {**dataclasses.asdict(iso), "uid": uid, "gid": uid}, "limits": limits.for_child(),
            "workdir": workdir, "token": token, "code": code, "tests": list(tests)}
     read_fd, write_fd = os.pipe()
-    payload = json.dumps({**job, "result_fd": write_fd}).encode()
+    payload = json.dumps({**job, "result_fd": write_fd, "parent_pid": os.getpid()}).encode()
     proc = None
     try:
         try:

@@ -25,7 +25,7 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
 MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 1, 24, 38, 47, 4
 SETUP_FAILED = 112
 
 _libc = None
@@ -203,6 +203,18 @@ def run_harness(token, code, tests, result_fd):
     finish()
 
 
+def die_with_parent(parent):
+    """SIGKILL when the parent ends (a trainer killed mid-run leaves nothing running); the setting does not survive a
+    change of uid, so it is made again after one. ``parent``: the pid the parent must still have (None: not
+    visible from here)."""
+    if sys.platform != "linux":
+        return
+    libc().prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(9), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                 ctypes.c_ulong(0))
+    if parent is not None and os.getppid() != parent:
+        os._exit(SETUP_FAILED)  # the parent ended before the setting was made
+
+
 def setup(job):
     iso = job["isolation"]
     workdir = job["workdir"]
@@ -218,10 +230,12 @@ def setup(job):
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "mounting /proc")
         os.chdir(workdir)  # into the bind mount: the one writable place
     drop_privileges(iso)
+    die_with_parent(None if iso.get("pidns") else job["parent_pid"])
 
 
 def main():
     job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    die_with_parent(job["parent_pid"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)

@@ -243,3 +243,42 @@ def test_exiting_inside_a_test_keeps_only_what_passed_before(reward):
     (value,) = reward(completions=[completion("pass")], tests=[["assert f(2) == 4", "import os; os._exit(0)",
                                                                 "assert f(3) == 6"]])
     assert value == pytest.approx(1 / 3) and reward.stats["crash"] == 1
+
+
+ORPHAN = """
+import sys
+from grpokit.rewards import CodeExecution
+
+reward = CodeExecution(timeout_s=120)
+print(reward.tag, reward.isolation.pidns, flush=True)
+reward(completions=[sys.stdin.read()], tests=[["pass"]])
+"""
+
+
+def test_a_trainer_killed_mid_run_leaves_nothing_running():
+    """The trainer gets SIGKILL while its sandbox runs code that forked, left the process group and sleeps."""
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", ORPHAN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    proc.stdin.write(completion("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1000)\n"
+                                "time.sleep(1000)"))
+    proc.stdin.close()
+    tag, pidns = proc.stdout.readline().split()
+    try:
+        deadline = time.monotonic() + 60
+        while len(sandbox_processes(tag)) < 2 and time.monotonic() < deadline:  # the run and its fork are up
+            time.sleep(0.1)
+        assert len(sandbox_processes(tag)) >= 2, "the sandboxed code did not start"
+    finally:
+        os.kill(proc.pid, 9)
+        proc.wait(timeout=30)
+    try:
+        if pidns != "True":
+            pytest.skip("without a pid namespace a forked process that left the group may outlive the trainer")
+        deadline = time.monotonic() + 15
+        while sandbox_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sandbox_processes(tag) == []
+    finally:
+        for pid in sandbox_processes(tag):  # what a failure left behind
+            os.kill(pid, 9)
