@@ -15,9 +15,9 @@ Isolation, strongest first (the first that works is used; ``Isolation.protection
   system ``python3``.
 * not root: a user namespace (root inside, your uid outside), where the kernel allows unprivileged ones.
 * Linux namespaces where the kernel allows them: network (no interface up: no network at all), pid (the run sees
-  only its own processes, and when it ends every process it started ends with it), mount (every mount read-only but
-  the work directory; a fresh ``/proc``; fresh, small ``/tmp``, ``/var/tmp``, ``/run`` and ``/dev/shm``, so what
-  others left there, files and Unix sockets, is out of sight).
+  only its own processes, and when it ends every process it started ends with it), mount (every mount read-only; a
+  fresh ``/proc``; fresh, small ``/tmp``, ``/var/tmp``, ``/run`` and ``/dev/shm``, so what others left there, files
+  and Unix sockets, is out of sight; the work directory a fresh tmpfs of ``4 * file_mb`` MiB, gone with the run).
 * every capability dropped and ``no_new_privs`` set (setuid programs cannot give privileges back).
 """
 
@@ -70,7 +70,8 @@ class Limits:
     def for_child(self) -> dict:
         cpu = self.cpu_s if self.cpu_s is not None else self.timeout_s
         return {"cpu_s": max(1, int(cpu + 0.999)), "memory_bytes": self.memory_mb << 20, "file_bytes": self.file_mb << 20,
-                "processes": self.processes, "open_files": self.open_files, "tmpfs_mb": self.tmpfs_mb}
+                "processes": self.processes, "open_files": self.open_files, "tmpfs_mb": self.tmpfs_mb,
+                "workdir_mb": 4 * self.file_mb}
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,8 @@ class Isolation:
         if self.pidns:
             out.append("pid namespace: only its own processes visible, all ended with the run")
         if self.mountns:
-            out.append("mount namespace: read-only file system except the work directory; private /proc, /tmp, /var/tmp, "
-                       "/run, /dev/shm")
+            out.append("mount namespace: read-only file system; private /proc, /tmp, /var/tmp, /run, /dev/shm and a "
+                       "work directory of bounded size")
         return out
 
     def gaps(self) -> list[str]:

@@ -3,8 +3,8 @@
 another interpreter than the trainer's) and no grpokit import.
 
 It reads one JSON object from stdin (the isolation to set up, the limits, the code, the tests and a per-run token),
-then: enters the namespaces asked for (user, mount, network, pid), makes every mount read-only except the work
-directory, mounts a fresh /proc and private /tmp, /var/tmp, /run and /dev/shm, sets the resource limits, drops to
+then: enters the namespaces asked for (user, mount, network, pid), makes every mount read-only, mounts a fresh /proc,
+private /tmp, /var/tmp, /run and /dev/shm and a fresh work directory, sets the resource limits, drops to
 the sandbox uid and every capability, forbids gaining privileges again, and runs the code and then each test in one
 namespace. Results go to the file descriptor the job names (a pipe to the parent), one line each, prefixed with the
 token: ``ready``, ``test I pass`` / ``test I fail KIND``, ``code error KIND``, ``done``. A setup step that fails
@@ -90,17 +90,17 @@ def mount_points():
 
 
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
-"""Replaced by fresh, small, private tmpfs mounts (the work directory bound back in where it lies below one): what
-other users and programs leave there (files, Unix sockets) is out of sight."""
+"""Replaced by fresh, small, private tmpfs mounts: what other users and programs leave there (files, Unix sockets) is
+out of sight."""
+TMPFS_INODES = 16384
 
 
-def private_file_system(workdir, tmpfs_mb):
-    """Every mount read-only except ``workdir`` (a bind mount of itself); :data:`PRIVATE_DIRS` fresh tmpfs mounts."""
+def private_file_system(workdir, tmpfs_mb, workdir_mb, owner):
+    """Every mount read-only; :data:`PRIVATE_DIRS` fresh tmpfs mounts; the work directory a fresh tmpfs of its own
+    (``workdir_mb``, owned by ``owner``): what a run writes is bounded and gone with it."""
     mount(None, "/", None, MS_REC | MS_PRIVATE, None, "making mounts private")
-    mount(workdir, workdir, None, MS_BIND, None, "binding the work directory")
-    fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
     for point, options in mount_points():
-        if point == workdir or point == "/proc" or point.startswith("/proc/") or "ro" in options:
+        if point == "/proc" or point.startswith("/proc/") or "ro" in options:
             continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for name in options:
@@ -109,11 +109,11 @@ def private_file_system(workdir, tmpfs_mb):
     for path in PRIVATE_DIRS:
         if os.path.islink(path) or not os.path.isdir(path):
             continue
-        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_mb}m,mode=1777", f"mounting {path}")
-        if workdir.startswith(path + "/"):
-            os.makedirs(workdir, exist_ok=True)
-            mount(f"/proc/self/fd/{fd}", workdir, None, MS_BIND, None, "binding the work directory back")
-    os.close(fd)
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_mb}m,nr_inodes={TMPFS_INODES},mode=1777",
+              f"mounting {path}")
+    os.makedirs(workdir, exist_ok=True)  # inside a fresh /tmp when it lies below one
+    mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={workdir_mb}m,nr_inodes={TMPFS_INODES},mode=0700,uid={owner},gid={owner}", "mounting the work directory")
 
 
 def drop_privileges(iso):
@@ -225,7 +225,8 @@ def setup(job):
         if pid:
             os._exit(wait_status(pid))
     if iso.get("mountns"):
-        private_file_system(workdir, job["limits"]["tmpfs_mb"])
+        owner = iso["uid"] if iso.get("uid") is not None else os.getuid()
+        private_file_system(workdir, job["limits"]["tmpfs_mb"], job["limits"]["workdir_mb"], owner)
         if iso.get("pidns"):
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "mounting /proc")
         os.chdir(workdir)  # into the bind mount: the one writable place

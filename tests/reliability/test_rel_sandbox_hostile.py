@@ -97,6 +97,17 @@ def test_huge_output(reward):
     assert result.status == "output_limit" and len(result.stdout) + len(result.stderr) <= 4096
 
 
+@pytest.mark.parametrize("fill", ["with open('big', 'wb') as fh:\n    for _ in range(200):\n        fh.write(b'x' * (1 << 20))",
+                                  "for i in range(10 ** 6):\n    open(f'f{i}', 'w').close()"])
+def test_filling_the_disk(reward, fill):
+    """One file past file_mb (16 MiB), or files without end: the write fails (EFBIG; with a mount namespace the work
+    directory is a tmpfs of bounded size and inode count)."""
+    if not reward.isolation.mountns and "range" in fill:
+        pytest.skip("without a mount namespace the number of files a run makes is bounded by its time only")
+    assert score_of(reward, fill) == 0.0
+    assert reward.stats["failures"] == 1 and reward.stats["error"] == 1
+
+
 @pytest.fixture
 def victims(tmp_path):
     """Files the sandbox must not touch: one in a private folder, one writable by anyone in a folder open to all."""

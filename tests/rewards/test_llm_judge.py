@@ -2,6 +2,7 @@
 rules with their counts, the request it sends, its metrics, and the API key kept out of everything it says."""
 
 import pickle
+import sys
 import time
 
 import pytest
@@ -249,3 +250,17 @@ def test_a_call_that_must_wait_is_bounded(server):
     start = time.monotonic()
     assert call(j) == [None]
     assert time.monotonic() - start < 60  # generous: the cap, not the hour, was waited
+
+
+def test_a_missing_client_library_names_the_extra(monkeypatch):
+    from grpokit.rewards import RemoteRewardModel
+    from grpokit.rewards.registry import check_reward_specs
+
+    monkeypatch.setitem(sys.modules, "openai", None)
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    with pytest.raises(ImportError, match=r"^LLMJudge needs the 'openai' package: pip install 'grpokit\[services\]'$"):
+        LLMJudge(base_url="http://x/v1", model="m", prompt="{completion}")
+    with pytest.raises(ImportError, match=r"^RemoteRewardModel needs the 'httpx' package"):
+        RemoteRewardModel("http://x")
+    with pytest.raises(ValueError, match=r"reward_funcs\[0\]: LLMJudge needs the 'openai' package"):
+        check_reward_specs([{"LLMJudge": {"base_url": "http://x/v1", "model": "m", "prompt": "{completion}"}}])
