@@ -33,7 +33,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,7 +199,7 @@ class ServiceCaller:
         delay = min(p.max_backoff_s, p.backoff_s * 2 ** attempt)
         return delay / 2 + self._rng.uniform(0, delay / 2)
 
-    def call(self, items: Sequence[Hashable], keys: Sequence[str], send: Callable[[list], list],
+    def call(self, items: Sequence[Any], keys: Sequence[str], send: Callable[[list], list],
              batch_size: int = 1) -> tuple[list[Any], CallStats]:
         """The answer per item (None where it failed under ``on_failure="none"``) and the call's counts."""
         stats = CallStats(items=len(items))

@@ -74,6 +74,9 @@ def test_the_honest_version_scores_1(reward):
     ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout"),
 ])
 def test_fork_bomb(reward, bomb, kind):
+    if os.geteuid() == 0 and reward.isolation.uid_base is None:
+        pytest.skip("root without a uid of its own: RLIMIT_NPROC does not apply, a fork bomb would fill the process "
+                    "table until the time limit")
     assert score_of(reward, bomb) == 0.0
     assert reward.stats[kind] == 1 and reward.stats["failures"] == 1
 
@@ -138,8 +141,11 @@ WRITES = {
 
 @pytest.mark.parametrize("attack", list(WRITES))
 def test_writing_or_deleting_outside_the_sandbox(reward, victims, attack):
-    if "open to all" in attack and not reward.isolation.mountns:
+    iso = reward.isolation
+    if "open to all" in attack and not iso.mountns:
         pytest.skip("without a mount namespace a file anyone may write is writable by the sandbox too")
+    if iso.uid_base is None and not iso.mountns:
+        pytest.skip("same uid as the trainer and no mount namespace: the sandbox may write what the trainer may")
     token = secrets.token_hex(4)
     before = {k: (open(v).read(), stat.S_IMODE(os.stat(v).st_mode)) for k, v in victims.items() if k != "shared_dir"}
     assert score_of(reward, WRITES[attack].format(token=token, **victims)) == 0.0
@@ -193,6 +199,9 @@ if not found:
 
 
 def test_reading_the_trainers_environment():
+    iso = CodeExecution().isolation
+    if iso.uid_base is None and not iso.pidns and os.geteuid() != 0:
+        pytest.skip("same uid as the trainer and no pid namespace: /proc/<trainer>/environ is readable")
     secret = "s3cr3t-" + secrets.token_hex(8)
     hostile = READ_ENVIRONMENT.replace("SECRET_BYTES", repr(secret.encode()))
     report = run_trainer(hostile, secret)
@@ -204,6 +213,9 @@ def test_reading_the_trainers_environment():
 def test_killing_the_trainer(target):
     """Signals to the parent (in a pid namespace: its init, which ignores them), to the trainer's pid and to its process
     group; the run then gives up (a kill that is ignored raises nothing)."""
+    iso = CodeExecution().isolation
+    if iso.uid_base is None and not iso.pidns:
+        pytest.skip("same uid as the trainer and no pid namespace: the sandbox can signal the trainer")
     hostile = (f"import os, signal, time\nfor _ in range(3):\n    try:\n        os.kill({target}, signal.SIGKILL)\n"
                "    except OSError:\n        pass\n    time.sleep(0.05)\nraise RuntimeError('the trainer is still there')")
     report = run_trainer(hostile)  # the trainer survived: it reported
