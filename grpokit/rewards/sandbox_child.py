@@ -117,11 +117,14 @@ def private_file_system(workdir, tmpfs_mb, workdir_mb, owner):
 
 
 def drop_privileges(iso):
-    """The sandbox uid (as root), no capability left, no way to gain one (setuid binaries included)."""
-    prctl = libc().prctl
-    prctl(ctypes.c_int(PR_CAP_AMBIENT), ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0),
-          ctypes.c_ulong(0), ctypes.c_ulong(0))
-    if os.geteuid() == 0:
+    """The sandbox uid (as root), no capability left, no way to gain one (setuid binaries included; the capability
+    and no_new_privs parts on Linux only)."""
+    linux = sys.platform == "linux"
+    prctl = libc().prctl if linux else None
+    if linux:
+        prctl(ctypes.c_int(PR_CAP_AMBIENT), ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0),
+              ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if linux and os.geteuid() == 0:
         for cap in range(64):
             prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0),
                   ctypes.c_ulong(0))
@@ -131,6 +134,8 @@ def drop_privileges(iso):
         os.setuid(iso["uid"])
         if os.getuid() != iso["uid"] or os.geteuid() != iso["uid"]:
             raise SetupError("setuid: the uid did not change")
+    if not linux:
+        return
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: all empty
     check(libc().capset(header, data), "dropping capabilities")

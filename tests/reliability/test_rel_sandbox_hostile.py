@@ -256,6 +256,20 @@ def test_opening_sockets(reward, tmp_path):
         os.rmdir(unix_dir)
 
 
+@pytest.mark.parametrize("attack", ["import os\nos.setuid(0)", "import os\nos.setgid(0)",
+                                    "import ctypes\nassert ctypes.CDLL(None).unshare(0x40000000) == 0"])
+def test_regaining_privileges(reward, attack):
+    assert score_of(reward, attack) == 0.0
+    assert reward.stats["failures"] == 1
+
+
+def test_no_capability_is_left(reward):
+    result = reward.run("status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
+                        "print(status['CapEff'].strip(), status['CapPrm'].strip(), status['NoNewPrivs'].strip())",
+                        ["pass"])
+    assert result.status == "ok" and result.stdout.split() == ["0000000000000000", "0000000000000000", "1"]
+
+
 @pytest.mark.parametrize("exit_call,kind", [("import os\nos._exit(0)", "crash"), ("import sys\nsys.exit(0)", "error")])
 def test_exiting_early(reward, exit_call, kind):
     assert score_of(reward, exit_call) == 0.0
