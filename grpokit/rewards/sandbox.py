@@ -175,6 +175,7 @@ def detect_isolation(python: str | None = None, workdir_root: str | None = None)
     key = (python, workdir_root, os.geteuid(), _slot_uid_base())
     with _detect_lock:
         if key not in _detected:
+            sweep_stale_workdirs(workdir_root)
             tried = []
             for iso in _candidates(python):
                 result = run_sandboxed(CANARY, ["assert f(1) == 2"], Limits(timeout_s=20.0), iso, 0, "probe",
@@ -192,12 +193,44 @@ def _environment(workdir: str) -> dict[str, str]:
     return {"PATH": SAFE_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
 
+WORKDIR_PREFIX = "grpokit-sandbox-"
+
+
 def _make_workdir(root: str | None, uid: int | None) -> str:
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix="grpokit-sandbox-", dir=root))
+    """A fresh directory named after this process (``grpokit-sandbox-<pid>-...``), so that one a killed trainer left
+    is recognised and removed later (:func:`sweep_stale_workdirs`)."""
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=root))
     if uid is not None:
         os.chown(workdir, uid, uid)
     os.chmod(workdir, 0o700)
     return workdir
+
+
+def sweep_stale_workdirs(root: str | None = None) -> list[str]:
+    """Remove the work directories of trainer processes that no longer run (killed mid-run, their cleanup never
+    ran); returns them."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        if not name.startswith(WORKDIR_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # that process still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # someone else's live process
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            _remove_tree(path)
+            removed.append(path)
+    return removed
 
 
 def _remove_tree(path: str) -> None:

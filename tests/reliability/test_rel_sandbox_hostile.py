@@ -21,6 +21,7 @@ import time
 import pytest
 
 from grpokit.rewards import CodeExecution
+from grpokit.rewards.sandbox import sweep_stale_workdirs
 
 TESTS = ["assert f(2) == 4"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -159,6 +160,7 @@ def test_writing_or_deleting_outside_the_sandbox(reward, victims, attack):
 TRAINER = """
 import json, os, sys
 from grpokit.rewards import CodeExecution
+from grpokit.rewards.sandbox import sweep_stale_workdirs
 
 reward = CodeExecution(timeout_s=5.0)
 code = sys.stdin.read().replace("TRAINER_PID", str(os.getpid()))
@@ -285,6 +287,7 @@ def test_exiting_inside_a_test_keeps_only_what_passed_before(reward):
 ORPHAN = """
 import sys
 from grpokit.rewards import CodeExecution
+from grpokit.rewards.sandbox import sweep_stale_workdirs
 
 reward = CodeExecution(timeout_s=120)
 print(reward.tag, reward.isolation.pidns, flush=True)
@@ -319,3 +322,7 @@ def test_a_trainer_killed_mid_run_leaves_nothing_running():
     finally:
         for pid in sandbox_processes(tag):  # what a failure left behind
             os.kill(pid, 9)
+        left = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"grpokit-sandbox-{proc.pid}-")]
+        assert len(left) == 1, left  # the killed trainer could not remove its run's directory: the next one does
+        swept = sweep_stale_workdirs()
+        assert os.path.join(tempfile.gettempdir(), left[0]) in swept, swept
