@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import queue
 import re
 import secrets
 import sys
@@ -161,9 +160,9 @@ class CodeExecution:
                            "setting allows)", "; ".join(iso.gaps()))
         return iso
 
-    def run(self, code: str, tests: Sequence[str], slot: int = 0) -> RunResult:
+    def run(self, code: str, tests: Sequence[str]) -> RunResult:
         """Run ``code`` and then ``tests`` in a fresh sandbox; the full :class:`~grpokit.rewards.sandbox.RunResult`."""
-        return run_sandboxed(code, list(tests), self.limits, self.isolation, slot, self.tag, self.workdir_root)
+        return run_sandboxed(code, list(tests), self.limits, self.isolation, self.tag, self.workdir_root)
 
     def _worker_count(self, n: int) -> int:
         if self.workers is not None:
@@ -178,19 +177,9 @@ class CodeExecution:
     def _run_all(self, jobs: list[tuple[int, str, list[str]]]) -> dict[int, RunResult]:
         iso = self.isolation
         workers = self._worker_count(len(jobs))
-        slots: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in range(workers):
-            slots.put(slot)
-
-        def one(code: str, tests: list[str]) -> RunResult:
-            slot = slots.get()
-            try:
-                return run_sandboxed(code, tests, self.limits, iso, slot, self.tag, self.workdir_root)
-            finally:
-                slots.put(slot)
-
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grpokit-sandbox") as pool:
-            futures = {i: pool.submit(one, code, tests) for i, code, tests in jobs}
+            futures = {i: pool.submit(run_sandboxed, code, tests, self.limits, iso, self.tag, self.workdir_root)
+                       for i, code, tests in jobs}
             return {i: f.result() for i, f in futures.items()}
 
     def __call__(self, prompts: Sequence | None = None, completions: Sequence | None = None,

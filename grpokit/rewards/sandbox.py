@@ -24,6 +24,7 @@ Isolation, strongest first (the first that works is used; ``Isolation.protection
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import logging
 import os
@@ -131,6 +132,30 @@ class RunResult:
     tests: dict[int, str] = field(default_factory=dict)
 
 
+class SlotPool:
+    """Worker slots, unique in this process at any moment (each slot is a uid of its own): the lowest free one is
+    handed out, waiting while all are taken."""
+
+    def __init__(self, size: int = 256):
+        self._free = list(range(size))
+        self._cond = threading.Condition()
+
+    def acquire(self) -> int:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            return heapq.heappop(self._free)
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            heapq.heappush(self._free, slot)
+            self._cond.notify()
+
+
+SLOTS = SlotPool()
+"""Every run of this process takes its slot here, whichever reward or thread starts it."""
+
+
 def _slot_uid_base() -> int:
     """Unused uids for this trainer process's sandboxes: 256 per process id, far above any account's."""
     return 2_000_000_000 + (os.getpid() % 4_194_304) * 256
@@ -178,8 +203,7 @@ def detect_isolation(python: str | None = None, workdir_root: str | None = None)
             sweep_stale_workdirs(workdir_root)
             tried = []
             for iso in _candidates(python):
-                result = run_sandboxed(CANARY, ["assert f(1) == 2"], Limits(timeout_s=20.0), iso, 0, "probe",
-                                       workdir_root)
+                result = run_sandboxed(CANARY, ["assert f(1) == 2"], Limits(timeout_s=20.0), iso, "probe", workdir_root)
                 if result.status == "ok" and result.passed == 1:
                     _detected[key] = iso
                     break
@@ -375,10 +399,19 @@ def _status(watch: _Watch, events: dict[str, str], returncode: int | None) -> tu
     return "crash", f"ended before the tests finished ({how})"
 
 
-def run_sandboxed(code: str, tests: list[str], limits: Limits, iso: Isolation, slot: int, tag: str,
+def run_sandboxed(code: str, tests: list[str], limits: Limits, iso: Isolation, tag: str,
                   workdir_root: str | None = None) -> RunResult:
-    """Run ``code`` then each test in a fresh sandbox (see the module docstring); never raises for what the code
-    does."""
+    """Run ``code`` then each test in a fresh sandbox (see the module docstring), in a worker slot of its own while it
+    runs; never raises for what the code does."""
+    slot = SLOTS.acquire()
+    try:
+        return _run_in_slot(code, tests, limits, iso, slot, tag, workdir_root)
+    finally:
+        SLOTS.release(slot)
+
+
+def _run_in_slot(code: str, tests: list[str], limits: Limits, iso: Isolation, slot: int, tag: str,
+                 workdir_root: str | None) -> RunResult:
     start = time.monotonic()
     uid = iso.uid(slot)
     token = secrets.token_hex(16)

@@ -86,15 +86,40 @@ def test_runs_in_parallel_up_to_workers(monkeypatch):
         start = time.monotonic()
         result = real(*args, **kwargs)
         with lock:
-            spans.append((start, time.monotonic(), args[4]))
+            spans.append((start, time.monotonic()))
         return result
 
     monkeypatch.setattr(code_execution_module, "run_sandboxed", timed)
     slow = "```python\nimport time\ntime.sleep(0.5)\ndef f(x):\n    return 2 * x\n```"
     reward = CodeExecution(workers=2)
     assert reward(completions=[slow] * 4, tests=[TESTS] * 4) == [1.0] * 4
-    most = max(sum(1 for s, e, _ in spans if s <= t < e) for t, _, _ in spans)
-    assert most == 2 and {slot for *_, slot in spans} == {0, 1}
+    assert max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans) == 2
+
+
+def test_concurrent_runs_never_share_a_slot():
+    """Two rewards (or threads) running at once each get a worker slot, so a uid, of their own."""
+    from grpokit.rewards.sandbox import SlotPool
+
+    pool, held, lock, clashes = SlotPool(size=3), set(), threading.Lock(), []
+
+    def worker():
+        for _ in range(200):
+            slot = pool.acquire()
+            with lock:
+                clashes.append(slot in held)
+                held.add(slot)
+            time.sleep(0.0005)
+            with lock:
+                held.discard(slot)
+            pool.release(slot)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(clashes) == 1200 and not any(clashes)
+    assert [pool.acquire() for _ in range(3)] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("change,message", [
