@@ -134,3 +134,16 @@ def test_concurrent_runs_never_share_a_slot():
 def test_bad_options(change, message):
     with pytest.raises(ValueError, match=message):
         CodeExecution(**change)
+
+
+def test_require_isolation_refuses_a_weak_sandbox(monkeypatch, caplog):
+    import sys
+
+    from grpokit.rewards.sandbox import Isolation
+
+    weak = Isolation(sys.executable, None)  # same uid as the trainer, no namespace
+    monkeypatch.setattr(code_execution_module, "detect_isolation", lambda *a: weak)
+    with pytest.raises(RuntimeError, match="require_isolation is set and this machine's sandbox lacks: network access"):
+        CodeExecution(require_isolation=True)(completions=[DOUBLE], tests=[TESTS])
+    assert CodeExecution().isolation is weak
+    assert "the sandbox here does not prevent network access" in caplog.text
