@@ -17,6 +17,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -148,10 +149,10 @@ def test_writing_or_deleting_outside_the_sandbox(reward, victims, attack):
     if iso.uid_base is None and not iso.mountns:
         pytest.skip("same uid as the trainer and no mount namespace: the sandbox may write what the trainer may")
     token = secrets.token_hex(4)
-    before = {k: (open(v).read(), stat.S_IMODE(os.stat(v).st_mode)) for k, v in victims.items() if k != "shared_dir"}
+    before = {k: (Path(v).read_text(), stat.S_IMODE(os.stat(v).st_mode)) for k, v in victims.items() if k != "shared_dir"}
     assert score_of(reward, WRITES[attack].format(token=token, **victims)) == 0.0
     assert reward.stats["error"] == 1 and reward.stats["failures"] == 1
-    after = {k: (open(v).read(), stat.S_IMODE(os.stat(v).st_mode)) for k, v in victims.items() if k != "shared_dir"}
+    after = {k: (Path(v).read_text(), stat.S_IMODE(os.stat(v).st_mode)) for k, v in victims.items() if k != "shared_dir"}
     assert after == before
     assert os.listdir(victims["shared_dir"]) == ["open.txt"]
     assert not os.path.exists(f"/etc/grpokit-sandbox-{token}")
