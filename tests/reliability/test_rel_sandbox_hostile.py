@@ -313,6 +313,7 @@ def test_a_trainer_killed_mid_run_leaves_nothing_running():
     finally:
         os.kill(proc.pid, 9)
         proc.wait(timeout=30)
+        proc.stdout.close()
     try:
         if pidns != "True":
             pytest.skip("without a pid namespace a forked process that left the group may outlive the trainer")
