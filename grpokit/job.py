@@ -141,7 +141,7 @@ def _prepare(spec: dict[str, Any]):
     reward_funcs = task.reward_funcs
     if job.get("reward_funcs"):
         names = job["reward_funcs"]
-        names = [names] if isinstance(names, str) else names
+        names = [names] if isinstance(names, (str, dict)) else names
         reward_funcs = [get_reward_func(n) for n in names]
     tools, environment = _multiturn_parts(job, task)
     if job.get("chat_template") is not None:

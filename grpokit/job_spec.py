@@ -14,7 +14,8 @@ JOB_KEYS = {
     "model": "model id, local directory, .gguf file, or smollm2-135m-instruct (the embedded model)",
     "task": "a built-in task name (see `grpokit tasks`)",
     "dataset": "a local JSONL/Parquet/CSV file with prompt and answer columns",
-    "reward_funcs": "built-in reward names or module:function (default: the task's)",
+    "reward_funcs": "built-in reward names, module:function, or {LLMJudge|CodeExecution|RemoteRewardModel: {options}} "
+                    "(default: the task's)",
     "tools": "functions the model may call, as module:function or file.py:function (added to the task's)",
     "environment": "one environment per rollout: module:Class, or a mapping of names to them (an 'environment' column "
                    "picks one per row)",
@@ -83,11 +84,13 @@ def check_job_keys(job: dict[str, Any]) -> None:
     for key in ("task_args", "eval"):
         if job.get(key) is not None and not isinstance(job[key], dict):
             raise JobError(f"{key}={short_repr(job[key])} is not allowed: expected a mapping ({JOB_KEYS[key]})")
-    names = job.get("reward_funcs")
-    if names is not None and not (isinstance(names, str) or (
-            isinstance(names, list) and names and all(isinstance(n, str) for n in names))):
-        raise JobError(f"reward_funcs={short_repr(names)} is not allowed: expected a reward name or module:function, "
-                       "or a list of them")
+    if job.get("reward_funcs") is not None:  # names, module:function, {LLMJudge: {...}}: built and checked, no torch
+        from .rewards.registry import check_reward_specs
+
+        try:
+            check_reward_specs(job["reward_funcs"])
+        except (ValueError, ImportError) as e:
+            raise JobError(str(e)) from None
     tools = job.get("tools")
     if tools is not None and not (isinstance(tools, str) or (
             isinstance(tools, list) and all(isinstance(t, str) for t in tools))):

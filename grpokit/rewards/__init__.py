@@ -9,6 +9,10 @@ Built-ins: ``correctness`` (1.0 for the right final ``Answer:``), ``format`` (0.
 ``word_count`` (1.0 for exactly ``target_words`` words). Any other function is reachable as
 ``"package.module:function"``; :func:`resolve_reward_funcs` also takes reward models (a directory or hub id of a
 sequence-classification model). :func:`score_completions` calls them on a batch.
+
+Scoring services (docs/rewards.md): :class:`LLMJudge` (a chat model behind an OpenAI-compatible endpoint grades each
+completion), :class:`CodeExecution` (the completion's code run against the row's tests in a sandbox) and
+:class:`RemoteRewardModel` (a reward model served over HTTP); a config names them as ``{LLMJudge: {...}}``.
 """
 
 from .answers import answers_match, extract_answer, extract_gsm8k_answer, parse_number
@@ -22,21 +26,40 @@ from .builtin import (
     make_length_reward,
     word_count,
 )
+from .code_execution import CodeExecution
+from .judge import LLMJudge
 from .registry import (
+    REWARD_CLASSES,
     REWARD_FUNCS,
     check_reward_weights,
     get_reward_func,
     list_reward_funcs,
     register_reward_func,
     resolve_reward_funcs,
+    reward_from_mapping,
     reward_func_name,
 )
-from .scoring import RewardFunctionError, score_completions
+from .remote_model import RemoteRewardModel
+from .service import RewardServiceError
+
+
+def __getattr__(name):  # scoring needs torch; the rest of the package does not (a job's spec is checked without it)
+    if name in ("RewardFunctionError", "score_completions"):
+        from . import scoring
+
+        return getattr(scoring, name)
+    raise AttributeError(f"module 'grpokit.rewards' has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_REWARD",
+    "REWARD_CLASSES",
     "REWARD_FUNCS",
+    "CodeExecution",
+    "LLMJudge",
+    "RemoteRewardModel",
     "RewardFunctionError",
+    "RewardServiceError",
     "answers_match",
     "check_reward_weights",
     "completion_text",
@@ -53,6 +76,7 @@ __all__ = [
     "register_reward_func",
     "resolve_reward_funcs",
     "reward_func_name",
+    "reward_from_mapping",
     "score_completions",
     "word_count",
 ]

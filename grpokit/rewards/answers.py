@@ -5,7 +5,7 @@ compared as exact fractions, no sympy involved (a few microseconds). Anything el
 ``\\frac{1}{2}``, ``27 apples``, ``\\boxed{12}``) falls back to math-verify, called with its
 signal-based timeouts switched off so that it works from any thread; the text handed to it is
 first cut to one short line and refused if it holds exponents or factorials, the constructs that
-can make sympy run for minutes (``9^9^9^9``). Model output is only ever parsed, never executed.
+can make sympy run for minutes (``9^9^9^9``). Model output is only ever parsed here, never executed.
 """
 
 from __future__ import annotations

@@ -42,14 +42,83 @@ def list_reward_funcs() -> list[str]:
     return sorted(REWARD_FUNCS)
 
 
-def get_reward_func(name_or_spec: str | RewardFunc) -> RewardFunc:
-    """A reward function by registry name (``"correctness"``) or import spec (``"my_pkg.rewards:fn"``).
+REWARD_CLASSES = ("LLMJudge", "CodeExecution", "RemoteRewardModel")
+"""Reward classes a config names with their arguments: ``{LLMJudge: {base_url: ..., ...}}``."""
+
+
+def _reward_class(name: str) -> type:
+    from . import code_execution, judge, remote_model
+
+    return {"LLMJudge": judge.LLMJudge, "CodeExecution": code_execution.CodeExecution,
+            "RemoteRewardModel": remote_model.RemoteRewardModel}[name]
+
+
+def reward_from_mapping(spec: Any) -> RewardFunc:
+    """A reward class's instance from its config form, a mapping of one class name to its arguments
+    (``{"CodeExecution": {"timeout_s": 5}}``); every mistake is one error line naming the class and the option."""
+    import difflib
+    import inspect
+
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ValueError(f"a reward_funcs entry that is a mapping names one class with its arguments, e.g. "
+                         f"{{CodeExecution: {{timeout_s: 5}}}}; got {_short(spec)}")
+    (name, args), = spec.items()
+    if name not in REWARD_CLASSES:
+        close = difflib.get_close_matches(str(name), REWARD_CLASSES, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(f"reward_funcs entry {{{name}: ...}}: unknown reward class{hint} (classes: "
+                         f"{', '.join(REWARD_CLASSES)})")
+    args = {} if args is None else args
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise ValueError(f"reward_funcs entry {{{name}: ...}}: its arguments must be a mapping of option: value, got "
+                         f"{_short(args)}")
+    cls = _reward_class(name)
+    options = [p for p in inspect.signature(cls).parameters if p != "self"]
+    unknown = [k for k in args if k not in options]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], options, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(f"{name} has no option {unknown[0]!r}{hint} (options: {', '.join(options)})")
+    missing = [p.name for p in inspect.signature(cls).parameters.values()
+               if p.default is inspect.Parameter.empty and p.name not in args]
+    if missing:
+        raise ValueError(f"{name} needs {', '.join(missing)} (options: {', '.join(options)})")
+    return cls(**args)
+
+
+def _short(value: Any) -> str:
+    from ..validation import short_repr
+
+    return short_repr(value)
+
+
+def check_reward_specs(specs: Any) -> None:
+    """A config's ``reward_funcs``: a name, ``module:function``, a reward class mapping, or a list of them; the class
+    mappings are built (which checks every argument) without importing torch."""
+    items = specs if isinstance(specs, list) else [specs]
+    if not items or not all(isinstance(s, (str, dict)) for s in items):
+        raise ValueError(f"reward_funcs={_short(specs)} is not allowed: expected a reward name, module:function or "
+                         f"a mapping {{Class: {{option: value}}}} ({', '.join(REWARD_CLASSES)}), or a list of them")
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            try:
+                reward_from_mapping(item)
+            except (ValueError, ImportError) as e:
+                where = f"reward_funcs[{i}]: " if isinstance(specs, list) else "reward_funcs: "
+                raise ValueError(where + str(e)) from None
+
+
+def get_reward_func(name_or_spec: str | dict | RewardFunc) -> RewardFunc:
+    """A reward function by registry name (``"correctness"``), import spec (``"my_pkg.rewards:fn"``) or reward class
+    mapping (``{"CodeExecution": {"timeout_s": 5}}``, :func:`reward_from_mapping`).
 
     A callable is returned unchanged. Importing a spec runs that module's code, as any import does;
-    model outputs are never executed.
+    model outputs are never executed in this process (``CodeExecution`` runs code in a sandboxed child).
     """
     if callable(name_or_spec):
         return name_or_spec
+    if isinstance(name_or_spec, dict):
+        return reward_from_mapping(name_or_spec)
     if not isinstance(name_or_spec, str) or not name_or_spec.strip():
         raise ValueError(
             f"A reward function is named by a string, got {name_or_spec!r}. "
@@ -99,6 +168,8 @@ def resolve_reward_funcs(reward_funcs: Any) -> list[Any]:
         raise ValueError("reward_funcs is empty; give at least one reward function or reward model")
     out = []
     for f in funcs:
+        if isinstance(f, dict):
+            f = reward_from_mapping(f)
         if isinstance(f, str):
             try:
                 f = get_reward_func(f)

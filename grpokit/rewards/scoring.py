@@ -31,6 +31,7 @@ from ..data import is_conversational
 from ..user_calls import CallBounds, CallTimeout, Incidents, call, gather
 from ..watchdog import stage
 from .registry import reward_func_name
+from .service import RewardServiceError
 
 logger = logging.getLogger("grpokit")
 
@@ -100,7 +101,10 @@ def _row_kwargs(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
 def _reward_error(name: str, func: Any, kwargs: dict[str, Any], n: int, error: BaseException,
                   timeout_s: float | None = None) -> RewardFunctionError:
     """Call ``func`` again one row at a time (each call within ``timeout_s``) to find the first row that fails on its
-    own."""
+    own; not a scoring service that stops the run (:class:`~grpokit.rewards.service.RewardServiceError`: its message
+    already names the cause)."""
+    if isinstance(error, RewardServiceError):
+        return RewardFunctionError(str(error))
     where = f" on the batch of {n} completions"
     for i in range(n):
         try:
