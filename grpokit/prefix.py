@@ -20,6 +20,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def forward_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         vision_kwargs: dict | None = None) -> torch.Tensor:
+    """The positions ``generate`` gives left-padded rows, for a forward that must see the same: from the mask
+    (:func:`position_ids_from_mask`) without image tensors; with them (``vision_kwargs``: a vision-language model's
+    image tensors) the model's own rule, its ``_prepare_position_ids_for_generation`` (Qwen-VL's M-RoPE: text and
+    3-D image positions, shape (4, B, T)). The batch is always the second-to-last dimension."""
+    base = inner_causal_lm(model) or model
+    prepare = getattr(base, "_prepare_position_ids_for_generation", None)
+    if not vision_kwargs or prepare is None:
+        return position_ids_from_mask(attention_mask)
+    return prepare(input_ids, {"input_ids": input_ids, "attention_mask": attention_mask, **vision_kwargs})
+
+
 def inner_causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
     """The causal LM inside DDP / PEFT wrappers, for looking up its head and config; None for a prompt-learning
     PEFT model."""

@@ -84,7 +84,7 @@ QWEN_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 def _qwen_ids(tok) -> dict:
     ids = tok.convert_tokens_to_ids
     return dict(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-                vision_start_token_id=ids("<|vision_start|>"))
+                vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
 
 
 def _qwen_processor(processor_cls, patch: int):
