@@ -11,6 +11,7 @@ Built-ins (see :func:`list_tasks`):
 * ``word_problems``: one- and two-step arithmetic stories generated from the seed.
 * ``word_count``: "Describe {topic} in one sentence of exactly {n} words." (alias ``format``).
 * ``calculator``: "What is 514 * 48?" answered by calling ``multiply``/``add`` tools (multi-turn).
+* ``shapes``: "How many circles are in the picture?" about pictures grpokit draws (vision-language models).
 
 Any ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file works as ``get_task("file:PATH")`` or just
 ``get_task(PATH)``; see :func:`load_dataset_file`.
@@ -26,6 +27,7 @@ from .arithmetic import arithmetic_questions, make_arithmetic_task
 from .base import ANSWER_INSTRUCTION, Task
 from .calculator import make_calculator_task
 from .files import is_dataset_file, load_dataset_file, make_file_task
+from .shapes import make_shapes_task
 from .word_count import make_word_count_task
 from .word_problems import make_word_problems_task
 
@@ -45,6 +47,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "word_problems": make_word_problems_task,
     "word_count": make_word_count_task,
     "calculator": make_calculator_task,
+    "shapes": make_shapes_task,
 }
 _ALIASES = {"format": "word_count", "word-problems": "word_problems", "word-count": "word_count"}
 
