@@ -238,3 +238,15 @@ def save_tiny_vlm(family: str, directory: str | os.PathLike, seed: int = 0) -> P
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+_SHARED: dict[str, tuple] = {}
+
+
+def shared_tiny_vlm(family: str):
+    """One ``(model, processor)`` per family for the whole test session (in eval mode): for tests that only read
+    it. A test that trains or changes a model builds its own with :func:`tiny_vlm`."""
+    if family not in _SHARED:
+        model, processor = tiny_vlm(family)
+        _SHARED[family] = (model.eval(), processor)
+    return _SHARED[family]
