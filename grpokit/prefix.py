@@ -78,11 +78,15 @@ def encode_once_per_group(
 ) -> tuple[Any, Any]:
     """Run ``forward(ids, mask, cache)`` over the distinct prompts (every ``g``-th row) into a fresh KV cache, then
     repeat the cache ``g`` times (autograd sums the rows' gradients back onto the shared prompt). Returns
-    ``(cache, forward's output)``. The default forward predicts one token (``logits_to_keep=1``)."""
+    ``(cache, forward's output)``. The default forward predicts one token (``logits_to_keep=1``). ``(None, None)``,
+    with no forward run, when the model's cache cannot be repeated (the recurrent state of linear-attention layers,
+    Qwen3.5's): callers encode every row then."""
     from transformers import DynamicCache
 
     uniq_ids, uniq_mask = prompt_ids[::g], prompt_mask[::g]
     cache = DynamicCache(config=model.config)
+    if not all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [])):
+        return None, None
     if forward is None:
         out = model(input_ids=uniq_ids, attention_mask=uniq_mask, position_ids=position_ids_from_mask(uniq_mask),
                     cache=cache, use_cache=True, logits_to_keep=1)

@@ -133,6 +133,35 @@ def qwen3_vl():
     return _finish(Qwen3VLForConditionalGeneration(cfg), tok), processor
 
 
+def _qwen3_5(config_cls, model_cls, **text_extra):
+    from transformers import Qwen3VLProcessor
+
+    tok, processor = _qwen_processor(Qwen3VLProcessor, 16)
+    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True, "partial_rotary_factor": 1.0}
+    text = _text_config(tok, rope_parameters=rope, layer_types=["linear_attention", "full_attention"],
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_conv_kernel_dim=4, **text_extra)
+    cfg = config_cls(text_config=text, **_qwen_ids(tok),
+                     vision_config=dict(depth=2, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_heads=4,
+                                        out_hidden_size=HIDDEN, num_position_embeddings=16, patch_size=16,
+                                        spatial_merge_size=2, temporal_patch_size=2))
+    return _finish(model_cls(cfg), tok), processor
+
+
+def qwen3_5():
+    """Qwen3.5: Qwen3-VL's vision with a hybrid language model (a linear-attention layer and a full one)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    return _qwen3_5(Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+
+
+def qwen3_5_moe():
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    return _qwen3_5(Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=HIDDEN, shared_expert_intermediate_size=HIDDEN)
+
+
 # -- Idefics3 / SmolVLM: per-row padded image stacks + pixel_attention_mask ---------------------------------------
 IDEFICS_SPECIALS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
 
@@ -219,8 +248,8 @@ def llava_next():
 
 
 FAMILIES: dict[str, Callable] = {
-    "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "idefics3": idefics3, "smolvlm": smolvlm,
-    "gemma3": gemma3, "llava": llava, "llava_next": llava_next,
+    "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe,
+    "idefics3": idefics3, "smolvlm": smolvlm, "gemma3": gemma3, "llava": llava, "llava_next": llava_next,
 }
 
 

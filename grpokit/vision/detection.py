@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-TESTED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "llava", "llava_next")
+TESTED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "idefics3", "smolvlm", "gemma3", "llava",
+                   "llava_next")
 """Families built offline and run by grpokit's tests (tests/tiny_vlm.py)."""
 
 _IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")

@@ -83,3 +83,24 @@ def test_image_placeholder_tokens_are_never_sampled():
         assert not (gen.completion_ids == image_ids[0]).any()
     config = backend.generation_config(model, SamplingParams(max_new_tokens=4, extra={"suppress_tokens": [7]}))
     assert config.suppress_tokens == sorted({7, *image_ids})
+
+
+def test_a_model_whose_cache_cannot_be_repeated_prefills_every_row():
+    """Qwen3.5's linear-attention layers keep a recurrent state that cannot be repeated for a group: grouped text
+    prompts are prefilled row by row, in generation and in the training forward, with the same results."""
+    from grpokit.logprobs import completion_logps
+    from grpokit.prefix import encode_once_per_group
+
+    model, processor = shared_tiny_vlm("qwen3_5")
+    enc = encode_prompts(processor, PROMPTS[1:], None).repeat_interleave(3)
+    assert encode_once_per_group(model, enc.prompt_ids, enc.prompt_mask, 3) == (None, None)
+    greedy = SamplingParams(max_new_tokens=5, do_sample=False)
+    shared = TransformersRollout(processor.tokenizer).generate(model, enc.prompt_ids, enc.prompt_mask, greedy)
+    each = TransformersRollout(processor.tokenizer, share_prompt_prefill=False).generate(
+        model, enc.prompt_ids, enc.prompt_mask, greedy)
+    assert torch.equal(shared.completion_ids, each.completion_ids)
+    with torch.no_grad():
+        a, _ = completion_logps(model, enc.prompt_ids, enc.prompt_mask, shared.completion_ids, shared.completion_mask)
+        b, _ = completion_logps(model, enc.prompt_ids, enc.prompt_mask, shared.completion_ids, shared.completion_mask,
+                                share_prompts=False)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
