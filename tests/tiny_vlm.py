@@ -207,7 +207,7 @@ def gemma3():
     ids = tok.convert_tokens_to_ids
     cfg = Gemma3Config(text_config=_text_config(tok, layer_types=None, sliding_window=64, query_pre_attn_scalar=8),
                        vision_config=dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
-                                          num_attention_heads=4, image_size=32, patch_size=8),
+                                          num_attention_heads=4, image_size=32, patch_size=8, vision_use_head=False),
                        mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"),
                        eoi_token_index=ids("<end_of_image>"), image_token_index=ids("<image_soft_token>"))
     return _finish(Gemma3ForConditionalGeneration(cfg), tok), processor

@@ -92,3 +92,12 @@ def test_processors_with_video_are_built_without_it_where_torchvision_is_missing
             processor.video_processor([])
         with pytest.raises(AttributeError, match="torchvision is not installed"):
             processor.video_processor.size  # noqa: B018
+
+
+def test_load_model_loads_a_vlm_directory_whole(tmp_path, tiny_dir):
+    from grpokit.models import load_model
+
+    save_tiny_vlm("qwen2_vl", tmp_path)  # AutoModelForCausalLM does not know Qwen2-VL
+    model = load_model(tmp_path)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration" and is_vlm(model)
+    assert type(load_model(tiny_dir)).__name__ == "LlamaForCausalLM"
