@@ -449,7 +449,7 @@ def load_model(
         elif _is_vlm_checkpoint(directory, trust_remote_code):
             from .vision.loading import load_vlm
 
-            return load_vlm(directory, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+            model = load_vlm(directory, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
         else:
             kwargs.setdefault("use_safetensors", True)
             model = AutoModelForCausalLM.from_pretrained(

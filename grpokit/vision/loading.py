@@ -123,14 +123,11 @@ def model_class_for(config) -> type:
 def load_vlm(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
              trust_remote_code: bool = False, **kwargs):
     """A vision-language model, trainable and unquantised unless asked (``kwargs`` go to ``from_pretrained``;
-    ``use_safetensors`` defaults to True), its generation config naming an EOS and a padding token."""
+    ``use_safetensors`` defaults to True). ``grpokit.models.load_model`` calls this for a VLM checkpoint and makes
+    its generation config name an EOS and a padding token."""
     from transformers import AutoConfig
-
-    from ..models import _fix_generation_config
 
     name = os.fspath(name_or_path)
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     kwargs.setdefault("use_safetensors", True)
-    model = model_class_for(config).from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
-    _fix_generation_config(model)
-    return model
+    return model_class_for(config).from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
