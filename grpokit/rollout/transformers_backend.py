@@ -191,10 +191,11 @@ class TransformersRollout:
     @torch.no_grad()
     def generate(
         self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-        vision=None,
+        vision=None, images: list | None = None,
     ) -> Generation:
         """Sample one completion per row. ``vision``: the rows' image tensors (:class:`grpokit.vision.VisionInputs`)
-        for a vision-language model, passed to ``generate``."""
+        for a vision-language model, passed to ``generate`` (``images``, the PIL images, are for engines that
+        process images themselves: not used here)."""
         sampler = fast_sampler(params, prompt_ids.device)  # when set: generate's greedy mode, the last processor samples
         config = self.generation_config(model, dataclasses.replace(params, do_sample=False) if sampler else params)
         was_training = model.training

@@ -115,11 +115,8 @@ def _truncate(ids: list[int], keep: int, vision: VisionInputs | None, row: int, 
               special_ids: set[int]) -> tuple[list[int], VisionInputs | None]:
     """The last ``keep`` ids of a prompt (and its token tensors), unless that cuts into an image: an error then."""
     cut = len(ids) - keep
-    types = None
-    if vision is not None:
-        typed = [vision.tensors[k][0] for k, u in vision.units.items() if u == "token"]
-        types = typed[0] if typed else None
-    start = image_block_start(ids, image_ids, special_ids, types) if (vision is not None or image_ids) else None
+    typed = [vision.tensors[k][0] for k, u in vision.units.items() if u == "token"] if vision is not None else []
+    start = image_block_start(ids, image_ids, special_ids, typed[0] if typed else None)
     if start is not None and cut > start:
         raise ValueError(f"row {row}: the prompt has {len(ids)} tokens, more than max_prompt_length={keep}, and cutting "
                          f"it on the left would cut into its image (which starts at token {start}); raise "
