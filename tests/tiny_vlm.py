@@ -77,7 +77,7 @@ def _finish(model, tok):
 
 
 # -- Qwen2-VL, Qwen2.5-VL, Qwen3-VL: flattened patches + image_grid_thw, M-RoPE ----------------------------------
-QWEN_SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+QWEN_SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<|endoftext|>"]
 QWEN_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 

@@ -54,6 +54,10 @@ def test_a_saved_model_directory_loads_as_built(family, tmp_path):
     built, built_processor = shared_tiny_vlm(family)
     assert type(model) is type(built) and type(processor).__name__ == type(built_processor).__name__
     assert processor.tokenizer.padding_side == "left" and model.generation_config.pad_token_id == 0
+    from transformers import AutoTokenizer
+
+    vocab = model.config.get_text_config().vocab_size  # every id the tokenizers can give has an embedding row
+    assert len(processor.tokenizer) <= vocab and len(AutoTokenizer.from_pretrained(tmp_path)) <= vocab
     messages = [{"role": "user", "content": [{"type": "image", "image": RED}, {"type": "text", "text": "Colour?"}]}]
     inputs = []
     for p in (processor, built_processor):
