@@ -168,3 +168,20 @@ def encode_prompts(
             ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r):] = 1
     return EncodedPrompts(ids, mask, VisionInputs.cat(parts, [1] * len(parts)), row_images, truncated)
+
+
+def encode_rows(processor: Any, rows: Sequence[dict], *, group_size: int = 1, max_prompt_length: int | None = None,
+                chat_template: str | None = None, chat_template_kwargs: dict | None = None, tools: list | None = None,
+                base_dir: Any = None, first_row: int = 0) -> EncodedPrompts:
+    """Dataset rows (each with a ``prompt`` and its ``image`` / ``images``) encoded as the trainer's generation batch
+    holds them: ``group_size`` consecutive rows per prompt, the processor running once per group."""
+    from .images import batch_images
+
+    if group_size < 1 or len(rows) % group_size:
+        raise ValueError(f"{len(rows)} rows do not make whole groups of {group_size}")
+    unique = list(rows[::group_size])
+    images = batch_images(unique, base_dir=base_dir, first_row=first_row)
+    encoded = encode_prompts(processor, [r["prompt"] for r in unique], images, max_prompt_length=max_prompt_length,
+                             chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools,
+                             first_row=first_row)
+    return encoded.repeat_interleave(group_size) if group_size > 1 else encoded

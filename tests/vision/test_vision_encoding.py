@@ -99,3 +99,28 @@ def test_bad_prompts_name_their_row():
         encode_prompts(processor, [12])
     with pytest.raises(ValueError, match="2 prompts but 1 image lists"):
         encode_prompts(processor, PROMPTS[:2], [[RED]])
+
+
+def test_rows_of_a_generation_batch_are_encoded_once_per_group():
+    from grpokit.tasks import get_task
+    from grpokit.vision.encoding import encode_rows
+
+    model, processor = shared_tiny_vlm("idefics3")
+    task = get_task("shapes", n_eval=2, n_train=3)
+    rows = [dict(r) for r in task.train_dataset for _ in range(4)]  # 3 prompts × G = 4, as the sampler yields them
+    calls = []
+    original = type(processor).__call__
+    type(processor).__call__ = lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    try:
+        enc = encode_rows(processor, rows, group_size=4, first_row=10)
+    finally:
+        type(processor).__call__ = original
+    assert len(calls) == 3 and enc.prompt_ids.shape[0] == 12 and enc.vision.is_grouped(4)
+    assert enc.images[5][0].tobytes() == rows[5]["image"].tobytes()
+    with torch.no_grad():
+        model(input_ids=enc.prompt_ids, attention_mask=enc.prompt_mask, **enc.vision.model_kwargs(enc.prompt_ids.shape[1]))
+    with pytest.raises(ValueError, match="12 rows do not make whole groups of 5"):
+        encode_rows(processor, rows, group_size=5)
+    rows[4]["image"] = "missing.png"
+    with pytest.raises(ValueError, match="row 11: image: image file 'missing.png' does not exist"):
+        encode_rows(processor, rows, group_size=4, first_row=10)
