@@ -255,9 +255,8 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
     extra = vision.model_kwargs(prompt_ids.shape[1], c) if vision is not None else None
     positions = forward_position_ids(model, ids, mask, extra)
     hidden = None
-    g = group_size(prompt_ids, prompt_mask) if share else 1
-    if g > 1 and vision is not None and not vision.is_grouped(g):
-        g = 1  # the same text with different images
+    # the same question about another picture is another prompt
+    g = group_size(prompt_ids, prompt_mask, vision.equal_to_previous() if vision is not None else None) if share else 1
     if g > 1:
         hidden = _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g,
                                             aux=aux, vision=vision, positions=positions)

@@ -47,13 +47,16 @@ def inner_causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
     return model
 
 
-def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, also_same: torch.Tensor | None = None) -> int:
     """``G`` when the rows are whole groups of ``G`` identical consecutive prompts (how the trainer sends them),
-    else 1."""
+    else 1. ``also_same``: (n - 1,) whether row ``i + 1`` also equals row ``i`` in what the ids do not show (a
+    VLM's images: the same question about another picture is another prompt)."""
     n = prompt_ids.shape[0]
     if n < 2:
         return 1
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)
+    if also_same is not None:
+        same = same & also_same.to(same.device)
     breaks = (~same).nonzero().flatten().tolist()
     g = breaks[0] + 1 if breaks else n
     if g < 2 or n % g:

@@ -191,16 +191,28 @@ class VisionInputs:
         """Every prompt ``g`` times in a row (the ``G`` rows of a group)."""
         return self.select([r for r in range(self.rows) for _ in range(g)])
 
+    def equal_to_previous(self) -> torch.Tensor:
+        """(rows - 1,) bool: whether prompt ``i + 1`` has the same images (equal tensors) as prompt ``i``."""
+        if self.rows < 2:
+            return torch.zeros(0, dtype=torch.bool)
+        same = torch.tensor([self.images_per_row[i + 1] == self.images_per_row[i] for i in range(self.rows - 1)],
+                            dtype=torch.bool)
+        for key, unit in self.units.items():
+            t = self.tensors[key]
+            if unit in ("row", "token"):
+                same &= (t[1:] == t[:-1]).reshape(self.rows - 1, -1).all(1).cpu()
+                continue
+            rows = [self.select([i]).tensors[key] for i in range(self.rows)]
+            same &= torch.tensor([torch.equal(rows[i + 1], rows[i]) for i in range(self.rows - 1)], dtype=torch.bool)
+        return same
+
     def is_grouped(self, g: int) -> bool:
         """Whether the prompts come as groups of ``g`` consecutive rows with equal image tensors (the rows of a group
         may then share one encoding of their prompt)."""
         if g < 1 or self.rows % g:
             return False
-        if g == 1:
-            return True
-        firsts = self.select(range(0, self.rows, g)).repeat_interleave(g)
-        return firsts.images_per_row == self.images_per_row and all(
-            torch.equal(firsts.tensors[k], self.tensors[k]) for k in self.tensors)
+        same = self.equal_to_previous()
+        return all(bool(same[i - 1]) for i in range(1, self.rows) if i % g)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> VisionInputs:
         """On ``device``; floating-point tensors (pixel values) in ``dtype`` when given (the model's)."""

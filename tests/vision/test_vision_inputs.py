@@ -55,7 +55,10 @@ def test_select_and_repeat_follow_images_and_patches():
     with pytest.raises(IndexError):
         v.select([3])
     # the same prompt text with different images is not a group
-    assert not VisionInputs.cat([v.select([1]), v.select([1]), v.select([0]), v.select([1])]).is_grouped(2)
+    mixed = VisionInputs.cat([v.select([1]), v.select([1]), v.select([0]), v.select([1])])
+    assert mixed.equal_to_previous().tolist() == [True, False, False]
+    assert not mixed.is_grouped(2) and not mixed.is_grouped(4) and mixed.select([0, 1]).is_grouped(2)
+    assert v.select([2, 2, 1]).equal_to_previous().tolist() == [True, False] and v.select([1]).is_grouped(1)
 
 
 def test_cat_pads_tokens_on_the_left_and_stacks_with_zeros():
