@@ -57,7 +57,7 @@ def tokenizer_of(processing_class: Any):
     return getattr(processing_class, "tokenizer", processing_class)
 
 
-def image_token_ids(processing_class: Any) -> set[int]:
+def processor_image_token_ids(processing_class: Any) -> set[int]:
     """The ids of the tokens that stand for image content (the processor's and its tokenizer's image tokens)."""
     tok = tokenizer_of(processing_class)
     ids: set[int] = set()
@@ -143,7 +143,7 @@ def encode_prompts(
     (see the module docstring). ``first_row`` numbers the rows in error messages (the dataset row of prompt 0)."""
     tok = tokenizer_of(processor)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    image_ids, special_ids = image_token_ids(processor), set(tok.all_special_ids)
+    image_ids, special_ids = processor_image_token_ids(processor), set(tok.all_special_ids)
     images = list(images) if images is not None else [None] * len(prompts)
     if len(images) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")

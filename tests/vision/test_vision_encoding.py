@@ -75,9 +75,9 @@ def test_max_prompt_length_cuts_text_but_never_an_image(family):
 
 
 def _token_sets(processor):
-    from grpokit.vision.encoding import image_token_ids
+    from grpokit.vision.encoding import processor_image_token_ids
 
-    return image_token_ids(processor), set(processor.tokenizer.all_special_ids)
+    return processor_image_token_ids(processor), set(processor.tokenizer.all_special_ids)
 
 
 def test_plain_text_prompts_hold_the_image_token_once_per_image():
