@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
-from .prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm, position_ids_from_mask
+from .prefix import (
+    accepts_cache,
+    encode_once_per_group,
+    forward_position_ids,
+    group_size,
+    inner_causal_lm,
+    position_ids_from_mask,
+)
 
 _POSTPROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale",
                          "output_multiplier", "lm_head_multiplier")
@@ -105,13 +112,14 @@ def head_compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtyp
 
 def _head_inputs(
     model: torch.nn.Module, head: torch.nn.Linear, input_ids, mask, keep: int, cache=None, position_ids=None,
-    aux: list | None = None, dtypes: list | None = None,
+    aux: list | None = None, extra: dict | None = None, dtypes: list | None = None,
 ) -> torch.Tensor | None:
     """The hidden states the model hands its LM head for the last ``keep`` positions (B, keep, D), from a forward
     in which the head itself projects nothing: a pre-hook on the head keeps its input and passes on an empty slice.
     The model's own forward runs (so its wrappers do: DDP, PEFT, accelerate's autocast). None when the head was
-    not called exactly once on a (B, keep, D) input. ``aux``: a list the forward's MoE router loss is added to;
-    ``dtypes``: a list that receives the dtype the head would have computed in (:func:`head_compute_dtype`)."""
+    not called exactly once on a (B, keep, D) input. ``aux``: a list the forward's MoE router loss is added to.
+    ``extra``: more keyword arguments of the forward (a VLM's image tensors). ``dtypes``: a list that receives the
+    dtype the head would have computed in (:func:`head_compute_dtype`)."""
     dtypes = [] if dtypes is None else dtypes
     seen = []
 
@@ -126,7 +134,7 @@ def _head_inputs(
     kwargs = dict(use_cache=False) if cache is None else dict(cache=cache, use_cache=True)
     try:
         outputs = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
-                        **kwargs, **_router_kwargs(aux))
+                        **kwargs, **_router_kwargs(aux), **(extra or {}))
     except TypeError:  # no logits_to_keep (or no cache)
         return None
     finally:
@@ -168,20 +176,27 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
 
 
 def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g: int,
-                               aux: list | None = None, dtypes: list | None = None):
+                               aux: list | None = None, vision=None, positions: torch.Tensor | None = None,
+                               dtypes: list | None = None):
     """The head inputs (B, C, D) for predicting each completion token, with every prompt encoded once for its
     group of ``g`` identical consecutive rows (:func:`grpokit.prefix.encode_once_per_group`), then a forward over
     the completion tokens only. The same numbers as encoding every row, up to float rounding; None when a forward
-    does not fit."""
-    c = completion_ids.shape[1]
+    does not fit. ``vision``: the rows' image tensors (a VLM), given to the prompt forward of each group's first
+    row only; ``positions``: the whole rows' position ids (:func:`grpokit.prefix.forward_position_ids`), sliced for
+    both forwards."""
+    c, p = completion_ids.shape[1], prompt_ids.shape[1]
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    if positions is None:
+        positions = position_ids_from_mask(mask)
+    uniq_positions = positions[..., ::g, :p]
+    uniq_extra = vision.select(range(0, prompt_ids.shape[0], g)).model_kwargs(p) if vision is not None else None
     cache, last = encode_once_per_group(  # `last` predicts completion token 0
         inner_causal_lm(model), prompt_ids, prompt_mask, g,
-        forward=lambda ids, mask, cache: _head_inputs(model, head, ids, mask, 1, cache=cache, aux=aux, dtypes=dtypes))
+        forward=lambda ids, m, cache: _head_inputs(model, head, ids, m, 1, cache=cache, position_ids=uniq_positions,
+                                                   aux=aux, extra=uniq_extra, dtypes=dtypes))
     if last is None:
         return None
-    mask = torch.cat([prompt_mask, completion_mask], 1)
-    positions = position_ids_from_mask(mask)[:, prompt_ids.shape[1]:]
-    rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions, aux=aux,
+    rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions[..., p:], aux=aux,
                         dtypes=dtypes)
     if rest is None:
         return None
@@ -202,6 +217,7 @@ def completion_logps(
     lean: bool = True,
     share_prompts: bool = True,
     aux_losses: list | None = None,
+    vision=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of ``completion_ids`` given the prompts under ``model``, and entropies (B, C).
 
@@ -211,6 +227,9 @@ def completion_logps(
     prompt) encode their prompt once per group, on the lean path, when the model allows it (see
     :func:`_shares_prompts`): less compute and activation memory in the forward and the backward.
     ``aux_losses``: a list that receives the MoE load-balancing loss of every forward (Mixture-of-Experts models).
+    ``vision``: the prompts' image tensors (:class:`grpokit.vision.VisionInputs`, one row per prompt row) for a
+    vision-language model: every forward gets them, and positions are the model's own (M-RoPE); rows share a prompt
+    encoding only when their image tensors are equal too.
     """
     b, c = completion_ids.shape
     if c == 0:
@@ -225,12 +244,14 @@ def completion_logps(
     for start in range(0, b, step):
         sl = slice(start, start + step)
         rows = (prompt_ids[sl], prompt_mask[sl], completion_ids[sl], completion_mask[sl])
+        vis = vision.select(range(start, min(b, start + step))) if vision is not None else None
         aux = [] if aux_losses is not None else None
-        out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux) if head else None
+        out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux, vis) if head \
+            else None
         if out is None:
             head = None  # this model does not fit the lean path: the plain path from now on
             aux = [] if aux_losses is not None else None
-            out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux)
+            out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux, vis)
         if aux_losses is not None:
             aux_losses.extend(aux)
         logps.append(out[0])
@@ -242,21 +263,25 @@ def completion_logps(
 
 
 def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, share: bool,
-                temperature: float, compute_entropy: bool, entropy_grad: bool, aux: list | None):
+                temperature: float, compute_entropy: bool, entropy_grad: bool, aux: list | None, vision=None):
     """Log-probs and entropies of one chunk of rows from the head's inputs; None when the model does not fit."""
     c = completion_ids.shape[1]
     valid = completion_mask.bool()
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    extra = vision.model_kwargs(prompt_ids.shape[1], c) if vision is not None else None
+    positions = forward_position_ids(model, ids, mask, extra)
     hidden = None
     dtypes: list[torch.dtype] = []  # the dtype the head would have run in, seen inside the model's forward
-    g = group_size(prompt_ids, prompt_mask) if share else 1
+    # the same question about another picture is another prompt
+    g = group_size(prompt_ids, prompt_mask, vision.equal_to_previous() if vision is not None else None) if share else 1
     if g > 1:
         hidden = _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g,
-                                            aux=aux, dtypes=dtypes)
+                                            aux=aux, vision=vision, positions=positions, dtypes=dtypes)
     if hidden is None:
         if aux:
             aux.clear()
-        hidden = _head_inputs(model, head, torch.cat([prompt_ids, completion_ids], 1),
-                              torch.cat([prompt_mask, completion_mask], 1), c + 1, aux=aux, dtypes=dtypes)
+        hidden = _head_inputs(model, head, ids, mask, c + 1, position_ids=positions, aux=aux, extra=extra,
+                              dtypes=dtypes)
         hidden = hidden[:, :-1] if hidden is not None else None
     if hidden is None:
         return None
@@ -272,20 +297,21 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
 
 
 def _plain_chunk(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                 compute_entropy: bool, entropy_grad: bool, aux: list | None):
+                 compute_entropy: bool, entropy_grad: bool, aux: list | None, vision=None):
     """Log-probs and entropies of one chunk of rows from the model's logits."""
     c = completion_ids.shape[1]
     valid = completion_mask.bool()
+    extra = vision.model_kwargs(prompt_ids.shape[1], c) if vision is not None else None
     logits = _forward_logits(model, torch.cat([prompt_ids, completion_ids], 1),
-                             torch.cat([prompt_mask, completion_mask], 1), c + 1, aux=aux)[:, :-1]
+                             torch.cat([prompt_mask, completion_mask], 1), c + 1, aux=aux, extra=extra)[:, :-1]
     lp, ent = token_logps_and_entropy(logits, completion_ids, temperature, compute_entropy, entropy_grad=entropy_grad)
     return lp.masked_fill(~valid, 0.0), (ent.masked_fill(~valid, 0.0) if ent is not None else None)
 
 
 def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, keep: int,
-                    aux: list | None = None) -> torch.Tensor:
-    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
-                  **_router_kwargs(aux))
+                    aux: list | None = None, extra: dict | None = None) -> torch.Tensor:
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=forward_position_ids(model, input_ids, mask, extra),
+                  use_cache=False, **_router_kwargs(aux), **(extra or {}))
     try:
         outputs = model(**kwargs, logits_to_keep=keep)
     except TypeError:  # a model without logits_to_keep

@@ -14,7 +14,8 @@ Three kinds of name are understood by :func:`load_model` and :func:`load_tokeniz
   quantization config so that it can be trained and saved like any other model.
 * a local model directory or a hub id: ``AutoModelForCausalLM.from_pretrained`` /
   ``AutoTokenizer.from_pretrained``, safetensors weights only unless ``use_safetensors=False`` is
-  passed, and ``trust_remote_code=False`` unless asked.
+  passed, and ``trust_remote_code=False`` unless asked. A vision-language model's checkpoint loads
+  with its own class, vision tower included (:mod:`grpokit.vision.loading`).
 """
 
 from __future__ import annotations
@@ -445,6 +446,10 @@ def load_model(
         directory, gguf_file = resolve_model(name_or_path)
         if gguf_file is not None:
             model = _load_gguf_model(directory, gguf_file, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+        elif _is_vlm_checkpoint(directory, trust_remote_code):
+            from .vision.loading import load_vlm
+
+            model = load_vlm(directory, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
         else:
             kwargs.setdefault("use_safetensors", True)
             model = AutoModelForCausalLM.from_pretrained(
@@ -452,6 +457,21 @@ def load_model(
             )
     _fix_generation_config(model)
     return model
+
+
+def _is_vlm_checkpoint(directory: str, trust_remote_code: bool) -> bool:
+    """Whether a directory or hub id holds a vision-language model (loaded whole, vision tower included, by
+    :func:`grpokit.vision.loading.load_vlm`). False when its config cannot be read here (the causal-LM path then
+    reports what is wrong)."""
+    from transformers import AutoConfig
+
+    from .vision.detection import is_vlm_config
+
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return False
+    return is_vlm_config(config)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False, **kwargs):

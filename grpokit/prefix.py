@@ -20,6 +20,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def forward_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         vision_kwargs: dict | None = None) -> torch.Tensor:
+    """The positions ``generate`` gives left-padded rows, for a forward that must see the same: from the mask
+    (:func:`position_ids_from_mask`) without image tensors; with them (``vision_kwargs``: a vision-language model's
+    image tensors) the model's own rule, its ``_prepare_position_ids_for_generation`` (Qwen-VL's M-RoPE: text and
+    3-D image positions, shape (4, B, T)). The batch is always the second-to-last dimension."""
+    base = inner_causal_lm(model) or model
+    prepare = getattr(base, "_prepare_position_ids_for_generation", None)
+    if not vision_kwargs or prepare is None:
+        return position_ids_from_mask(attention_mask)
+    return prepare(input_ids, {"input_ids": input_ids, "attention_mask": attention_mask, **vision_kwargs})
+
+
 def inner_causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
     """The causal LM inside DDP / PEFT wrappers, for looking up its head and config; None for a prompt-learning
     PEFT model."""
@@ -34,13 +47,16 @@ def inner_causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
     return model
 
 
-def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, also_same: torch.Tensor | None = None) -> int:
     """``G`` when the rows are whole groups of ``G`` identical consecutive prompts (how the trainer sends them),
-    else 1."""
+    else 1. ``also_same``: (n - 1,) whether row ``i + 1`` also equals row ``i`` in what the ids do not show (a
+    VLM's images: the same question about another picture is another prompt)."""
     n = prompt_ids.shape[0]
     if n < 2:
         return 1
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)
+    if also_same is not None:
+        same = same & also_same.to(same.device)
     breaks = (~same).nonzero().flatten().tolist()
     g = breaks[0] + 1 if breaks else n
     if g < 2 or n % g:
@@ -65,11 +81,15 @@ def encode_once_per_group(
 ) -> tuple[Any, Any]:
     """Run ``forward(ids, mask, cache)`` over the distinct prompts (every ``g``-th row) into a fresh KV cache, then
     repeat the cache ``g`` times (autograd sums the rows' gradients back onto the shared prompt). Returns
-    ``(cache, forward's output)``. The default forward predicts one token (``logits_to_keep=1``)."""
+    ``(cache, forward's output)``. The default forward predicts one token (``logits_to_keep=1``). ``(None, None)``,
+    with no forward run, when the model's cache cannot be repeated (the recurrent state of linear-attention layers,
+    Qwen3.5's): callers encode every row then."""
     from transformers import DynamicCache
 
     uniq_ids, uniq_mask = prompt_ids[::g], prompt_mask[::g]
     cache = DynamicCache(config=model.config)
+    if not all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [])):
+        return None, None
     if forward is None:
         out = model(input_ids=uniq_ids, attention_mask=uniq_mask, position_ids=position_ids_from_mask(uniq_mask),
                     cache=cache, use_cache=True, logits_to_keep=1)

@@ -58,6 +58,9 @@ class RolloutBackend(Protocol):
     def generate(
         self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> Generation: ...
+    # A backend for vision-language models also takes ``vision`` (the rows' image tensors,
+    # ``grpokit.vision.VisionInputs``) and ``images`` (per row, its PIL images) as keyword arguments; the trainer
+    # passes them only for rows with images.
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Called after every optimizer step; a backend holding its own copy of the weights refreshes it."""

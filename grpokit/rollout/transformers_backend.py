@@ -161,6 +161,10 @@ class TransformersRollout:
         self.share_prompt_prefill = share_prompt_prefill
 
     def generation_config(self, model: torch.nn.Module, params: SamplingParams) -> GenerationConfig:
+        """``params`` as transformers' generation config; a vision-language model never samples its image
+        placeholder tokens (as in TRL: one would not match any image features)."""
+        from ..vision.detection import image_token_ids
+
         eos = stop_token_ids(model, self.tokenizer)
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
@@ -180,12 +184,18 @@ class TransformersRollout:
         elif params.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = params.repetition_penalty
         kwargs.update(params.extra)
+        if image_ids := image_token_ids(model):
+            kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens") or []) | set(image_ids))
         return GenerationConfig(**kwargs)
 
     @torch.no_grad()
     def generate(
-        self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+        self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+        vision=None, images: list | None = None,
     ) -> Generation:
+        """Sample one completion per row. ``vision``: the rows' image tensors (:class:`grpokit.vision.VisionInputs`)
+        for a vision-language model, passed to ``generate`` (``images``, the PIL images, are for engines that
+        process images themselves: not used here)."""
         sampler = fast_sampler(params, prompt_ids.device)  # when set: generate's greedy mode, the last processor samples
         config = self.generation_config(model, dataclasses.replace(params, do_sample=False) if sampler else params)
         was_training = model.training
@@ -195,7 +205,7 @@ class TransformersRollout:
                 if not params.lockstep:  # a shard cannot take the merge
                     stack.enter_context(lora_merged(model))
                 stack.enter_context(contiguous_head_input(model))
-                chunks = self._generate_chunks(model, prompt_ids, prompt_mask, params, config, sampler)
+                chunks = self._generate_chunks(model, prompt_ids, prompt_mask, params, config, sampler, vision)
         finally:
             model.train(was_training)
         width = max(c.shape[1] for c in chunks)
@@ -207,14 +217,19 @@ class TransformersRollout:
         completion_ids = completion_ids.masked_fill(mask == 0, pad)
         return Generation(completion_ids=completion_ids, completion_mask=mask, is_truncated=truncated)
 
-    def _generate_chunks(self, model, prompt_ids, prompt_mask, params: SamplingParams, config, sampler) -> list:
+    def _generate_chunks(self, model, prompt_ids, prompt_mask, params: SamplingParams, config, sampler,
+                         vision=None) -> list:
+        """Generation in chunks of ``max_batch_size`` rows. Rows with images are not prefilled once per group (the
+        prefill would have to carry each family's image positions into ``generate``): each row is prefilled."""
         step = self.max_batch_size or prompt_ids.shape[0]
         share = self.share_prompt_prefill and not params.lockstep and _can_share(model, config, prompt_ids.shape[1])
         chunks = []
         for start in range(0, prompt_ids.shape[0], step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
             kwargs = {"synced_gpus": params.lockstep}  # explicit: transformers' own test misses accelerate's FSDP2
-            g = group_size(ids, mask) if share else 1
+            if vision is not None:
+                kwargs.update(vision.select(range(start, start + ids.shape[0])).model_kwargs(ids.shape[1]))
+            g = group_size(ids, mask) if share and len(kwargs) == 1 else 1
             if g > 1:  # prefill each prompt once, all but its last token: generate then runs that one per row
                 kwargs["cache"], _ = encode_once_per_group(inner_causal_lm(model), ids[:, :-1], mask[:, :-1], g)
             if sampler is not None:

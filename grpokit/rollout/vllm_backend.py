@@ -98,6 +98,30 @@ def _engine_pairs(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name.removeprefix(prefix).replace(".base_layer", "").replace(".modules_to_save.default", ""), tensor
 
 
+def place_image_features(features: dict | None, prompt_ids: list[int], image_token_id: int | None,
+                         row: int = 0) -> dict | None:
+    """Point the server's image features of one prompt at that prompt's runs of image tokens (the server reports
+    where the images sat in the conversation it processed them in, not in this prompt). One run per image, else an
+    error naming the row."""
+    if features is None:
+        return None
+    if image_token_id is None:
+        raise ValueError("sending images to a vLLM server needs the model's processor (its image token) as the "
+                         "backend's processing class")
+    runs, start = [], None
+    for i, token in enumerate([*prompt_ids, None]):
+        if token == image_token_id and start is None:
+            start = i
+        elif token != image_token_id and start is not None:
+            runs.append({"offset": start, "length": i - start})
+            start = None
+    expected = len(features["mm_placeholders"]["image"])
+    if len(runs) != expected:
+        raise ValueError(f"row {row}: the prompt has {len(runs)} run(s) of image tokens for {expected} image(s); it "
+                         f"must hold one run per image")
+    return {**features, "mm_placeholders": {**features["mm_placeholders"], "image": runs}}
+
+
 class VLLMRollout:
     """The vLLM backend (see the module docstring). ``llm`` / ``client`` may be given (tests pass fakes)."""
 
@@ -105,8 +129,12 @@ class VLLMRollout:
 
     def __init__(self, model_name_or_path: str, tokenizer, args, *, process_index: int = 0, llm=None, client=None,
                  sampling_params_cls=None):
+        """``tokenizer``: the model's tokenizer, or its processor (a vision-language model's: its image token places
+        the images of a prompt in server mode)."""
         self.mode = args.vllm_mode
         self._sampling_params_cls = sampling_params_cls
+        self.image_token_id = getattr(tokenizer, "image_token_id", None)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         self.tokenizer = tokenizer
         self.eos_ids = {tokenizer.eos_token_id}
         self.sleep = self.mode == "colocate" and bool(args.vllm_enable_sleep_mode)
@@ -154,8 +182,16 @@ class VLLMRollout:
         client.init_communicator()
         return client
 
-    def generate(self, model, prompt_ids, prompt_mask, params: SamplingParams) -> Generation:
+    def generate(self, model, prompt_ids, prompt_mask, params: SamplingParams, vision=None,
+                 images: list[list] | None = None) -> Generation:
+        """``images``: per row, the PIL images of a vision-language model's prompt (its image tokens are in the
+        ids), sent with the row as vLLM's multimodal data; ``vision`` (the transformers backend's image tensors)
+        is not used by an engine that processes the images itself."""
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        if images is not None and not any(images):
+            images = None
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image lists for {len(prompts)} prompts")
         kwargs = vllm_sampling_kwargs(params)
         if self.mode == "colocate":
             if self._sampling_params_cls is None:
@@ -163,8 +199,11 @@ class VLLMRollout:
 
                 self._sampling_params_cls = VSamplingParams
             self._wake()
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                        sampling_params=self._sampling_params_cls(**kwargs), use_tqdm=False)
+            requests = [{"prompt_token_ids": p} for p in prompts]
+            for request, row_images in zip(requests, images or []):
+                if row_images:
+                    request["multi_modal_data"] = {"image": row_images if len(row_images) > 1 else row_images[0]}
+            outputs = self.llm.generate(requests, sampling_params=self._sampling_params_cls(**kwargs), use_tqdm=False)
             if self.sleep:  # vllm_enable_sleep_mode: weights to CPU, KV cache freed, while the trainer runs
                 self.llm.sleep(level=1)
                 self.asleep = True
@@ -176,7 +215,7 @@ class VLLMRollout:
                 logps.append([step[t].logprob for step, t in zip(o.logprobs, ids)])
                 truncated.append(o.finish_reason == "length")
         else:
-            completions, logps = self._server_generate(prompts, kwargs)
+            completions, logps = self._server_generate(prompts, kwargs, images)
             truncated = [len(c) >= params.max_new_tokens and (not c or c[-1] not in self.eos_ids)
                          for c in completions]
         return pad_rollouts(completions, logps, truncated, self.tokenizer.pad_token_id)
@@ -186,10 +225,14 @@ class VLLMRollout:
             self.llm.wake_up()
             self.asleep = False
 
-    def _server_generate(self, prompts: list[list[int]], kwargs: dict) -> tuple[list, list]:
-        """The main process sends every rank's prompts in one request and hands each rank its slice back."""
+    def _server_generate(self, prompts: list[list[int]], kwargs: dict, images: list[list] | None = None
+                         ) -> tuple[list, list]:
+        """The main process sends every rank's prompts in one request and hands each rank its slice back. Images go
+        first to the server's image processing (TRL's ``VLLMClient.image_features``); their features are then
+        pointed at the image tokens of each prompt and sent with it."""
         world = _world_size()
         everyone = _all_gather_objects(prompts) if world > 1 else [prompts]
+        every_image = _all_gather_objects(images or [None] * len(prompts)) if world > 1 else [images or []]
         result = [None]
         if self.client is not None:
             kwargs = dict(kwargs)
@@ -197,6 +240,11 @@ class VLLMRollout:
             named = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs")
             call = {k: kwargs.pop(k) for k in named}
             flat = [p for rank_prompts in everyone for p in rank_prompts]
+            flat_images = [i for rank_images in every_image for i in rank_images]
+            if any(flat_images):
+                features = self.client.image_features(flat_images)
+                call["features"] = [place_image_features(f, ids, self.image_token_id, row)
+                                    for row, (f, ids) in enumerate(zip(features, flat))]
             out = self.client.generate(flat, n=1, generation_kwargs=kwargs or None, **call)
             completions = list(out["completion_ids"])
             logps = [[tok[0] for tok in row] for row in out["logprobs"]]

@@ -12,6 +12,7 @@ Built-ins (see :func:`list_tasks`):
 * ``word_count``: "Describe {topic} in one sentence of exactly {n} words." (alias ``format``).
 * ``calculator``: "What is 514 * 48?" answered by calling ``multiply``/``add`` tools (multi-turn).
 * ``coding``: "Write a Python function ..." graded by running the reply's code against tests in a sandbox.
+* ``shapes``: "How many circles are in the picture?" about pictures grpokit draws (vision-language models).
 
 Any ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file works as ``get_task("file:PATH")`` or just
 ``get_task(PATH)``; see :func:`load_dataset_file`.
@@ -28,6 +29,7 @@ from .base import ANSWER_INSTRUCTION, Task
 from .calculator import make_calculator_task
 from .coding import make_coding_task
 from .files import is_dataset_file, load_dataset_file, make_file_task
+from .shapes import make_shapes_task
 from .word_count import make_word_count_task
 from .word_problems import make_word_problems_task
 
@@ -48,6 +50,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "word_count": make_word_count_task,
     "calculator": make_calculator_task,
     "coding": make_coding_task,
+    "shapes": make_shapes_task,
 }
 _ALIASES = {"format": "word_count", "word-problems": "word_problems", "word-count": "word_count"}
 

@@ -50,6 +50,53 @@ def _to_messages(value: Any, row: int, path: Path, column: str, system_prompt: s
     return messages
 
 
+def _image_value(value: Any, row: int, path: Path, column: str) -> Any:
+    """One image of a row: a file path made absolute (relative to the data file's folder) and checked to be an image
+    file; a ``{"bytes", "path"}`` record (Parquet's image struct) kept, its relative path made absolute."""
+    from PIL import Image, UnidentifiedImageError
+
+    if value is None or isinstance(value, Image.Image):  # a decoded Parquet / datasets image: kept
+        return value
+    if isinstance(value, dict):
+        if value.get("bytes") is None and value.get("path"):
+            return {**value, "path": _image_value(value["path"], row, path, column)}
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{path}: row {row} has an {column!r} of {value!r:.80}; expected an image file path")
+    if value.startswith(("http://", "https://")):
+        raise ValueError(f"{path}: row {row}: {column} {value!r:.120} is a URL; grpokit reads local image files only")
+    file = Path(value).expanduser()
+    if not file.is_absolute():
+        file = path.parent / file
+    if not file.is_file():
+        raise ValueError(f"{path}: row {row}: image file {value!r} not found (looked for {str(file.absolute())!r})")
+    try:
+        with Image.open(file):  # reads the header only
+            pass
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{path}: row {row}: image file {value!r} is not an image PIL can read ({type(e).__name__})") \
+            from None
+    return str(file.resolve())
+
+
+def _image_column(values: list, path: Path, column: str) -> list:
+    """An ``image`` column (one path per row) or an ``images`` column (a list per row; in a CSV file a JSON list
+    such as ``["a.png", "b.png"]`` or one path) with every path checked and made absolute."""
+    out = []
+    for row, value in enumerate(values):
+        if column == "images":
+            if isinstance(value, str) and value.lstrip().startswith("["):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: row {row}: images {value!r:.80} is not a JSON list ({e.msg})") from None
+            items = value if isinstance(value, list) else ([] if value is None else [value])
+            out.append([_image_value(v, row, path, column) for v in items])
+        else:
+            out.append(_image_value(value, row, path, column))
+    return out
+
+
 def _append_instruction(messages: list[dict], instruction: str) -> list[dict]:
     for message in reversed(messages):
         if message["role"] == "user":
@@ -135,12 +182,16 @@ def load_dataset_file(
         instruction: if given, appended to the last user turn of every prompt that does not already
             contain it (e.g. :data:`~grpokit.tasks.base.ANSWER_INSTRUCTION`).
 
-    Other columns are kept: TRL passes them to the reward functions as keyword lists.
+    Other columns are kept: TRL passes them to the reward functions as keyword lists. An ``image`` column (a file
+    path per row) or ``images`` column (a list of paths per row; in a CSV file a JSON list) names image files for a
+    vision-language model, relative to the data file's folder: each is checked to exist and to be an image file,
+    and stored as an absolute path (Parquet image records with bytes are kept as they are).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: unsupported suffix, an empty file, or a missing column (the message names the
-            file, the column and the columns that exist).
+        ValueError: unsupported suffix, an empty file, a missing column (the message names the
+            file, the column and the columns that exist), or a missing or unreadable image file (the message
+            names the row and the file).
     """
     from datasets import load_dataset
 
@@ -186,12 +237,30 @@ def load_dataset_file(
         out["answer"] = [extract_gsm8k_answer(a) for a in data[answer_column]]
     for column in columns:
         if column not in (prompt_column, answer_column, "prompt", "answer"):
-            out[column] = data[column]
+            out[column] = _image_column(data[column], path, column) if column in ("image", "images") else data[column]
     return Dataset.from_dict(out)
 
 
-def _prompt_key(prompt: list[dict]) -> str:
-    return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+def _image_key(value: Any) -> Any:
+    """An image as something ``json.dumps`` takes: its path, or a digest of its bytes or pixels."""
+    import hashlib
+
+    if isinstance(value, list):
+        return [_image_key(v) for v in value]
+    if isinstance(value, dict):
+        data = value.get("bytes")
+        return hashlib.sha256(data).hexdigest() if data is not None else value.get("path")
+    if hasattr(value, "tobytes") and hasattr(value, "size"):  # a PIL image
+        return hashlib.sha256(value.tobytes()).hexdigest()
+    return value
+
+
+def _row_keys(dataset: Dataset) -> list[str]:
+    """Per row, its prompt and its images (rows asking the same question about different pictures differ)."""
+    columns = [c for c in ("image", "images") if c in dataset.column_names]
+    images = [dataset[c] for c in columns]
+    return [json.dumps([prompt, *(_image_key(col[i]) for col in images)], sort_keys=True, ensure_ascii=False)
+            for i, prompt in enumerate(dataset["prompt"])]
 
 
 def make_file_task(
@@ -209,7 +278,7 @@ def make_file_task(
 
     Rows are shuffled by ``seed``; the first ``n_eval`` are held out, unless ``eval_file`` is given, in
     which case the held-out rows are the first ``n_eval`` of that file (shuffled) and the whole of
-    ``path`` trains. Training rows whose prompt also appears among the held-out ones are dropped.
+    ``path`` trains. Training rows whose prompt (and images) also appear among the held-out ones are dropped.
     By default every prompt is asked to end with ``Answer: <number>`` (``instruction``), since the
     rewards read that line; pass ``instruction=None`` if the prompts already ask for it differently.
     """
@@ -234,8 +303,8 @@ def make_file_task(
         eval_order = list(range(len(eval_dataset)))
         random.Random(seed).shuffle(eval_order)
         held_out = eval_dataset.select(eval_order[: min(n_eval, len(eval_dataset))])
-    held_keys = {_prompt_key(p) for p in held_out["prompt"]}
-    keep = [i for i, p in enumerate(train["prompt"]) if _prompt_key(p) not in held_keys]
+    held_keys = set(_row_keys(held_out))
+    keep = [i for i, key in enumerate(_row_keys(train)) if key not in held_keys]
     dropped = len(train) - len(keep)
     if dropped:
         train = train.select(keep)

@@ -15,7 +15,7 @@ def contents(dataset) -> list[str]:
 
 
 def test_list_tasks():
-    assert list_tasks() == ["arithmetic", "calculator", "coding", "word_count", "word_problems"]
+    assert list_tasks() == ["arithmetic", "calculator", "coding", "shapes", "word_count", "word_problems"]
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "word_problems", "word_count"])

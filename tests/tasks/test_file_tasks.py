@@ -121,3 +121,88 @@ def test_file_task_eval_file_and_duplicates(tmp_path):
     assert len(task.eval_dataset) == 6
     assert len(task.train_dataset) == 8  # q8 and q9 are held out, so they leave the training set
     assert task.metadata["dropped_duplicates"] == 2
+
+
+# -- rows that name image files (vision-language models) -------------------------------------------------------------
+def _pictures(folder):
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, colour in (("red.png", "red"), ("blue.png", "blue")):
+        Image.new("RGB", (12, 10), colour).save(folder / name)
+    (folder / "notes.png").write_text("not a picture")
+    return folder
+
+
+def test_image_paths_are_read_relative_to_the_data_file(tmp_path):
+    import csv
+
+    from datasets import Dataset
+    from datasets import Image as ImageFeature
+
+    from grpokit.vision import row_images
+
+    data = tmp_path / "data"
+    _pictures(data / "pics")
+    write_jsonl(data / "one.jsonl", [{"prompt": "How many?", "image": "pics/red.png", "answer": "1"},
+                                     {"prompt": "How many?", "image": None, "answer": "0"}])
+    write_jsonl(data / "many.jsonl", [{"prompt": "Both?", "images": ["pics/red.png", "pics/blue.png"], "answer": "2"}])
+    with (data / "many.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerows([["prompt", "images", "answer"], ["Both?", '["pics/red.png", "pics/blue.png"]', "2"],
+                     ["One?", "pics/blue.png", "1"]])
+    red, blue = str((data / "pics" / "red.png").resolve()), str((data / "pics" / "blue.png").resolve())
+    records = [{"bytes": None, "path": "pics/red.png"}, {"bytes": None, "path": "pics/blue.png"}]  # paths only
+    Dataset.from_dict({"prompt": ["Red?", "Blue?"], "image": records, "answer": ["1", "1"]}).to_parquet(data / "one.parquet")
+    Dataset.from_dict({"prompt": ["Red?", "Blue?"], "image": [red, blue], "answer": ["1", "1"]}) \
+        .cast_column("image", ImageFeature()).to_parquet(data / "embedded.parquet")  # the pictures inside the file
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkey_cwd = __import__("os").getcwd()
+    try:
+        __import__("os").chdir(elsewhere)  # relative to the file, not to the working directory
+        one = load_dataset_file(data / "one.jsonl")
+        many = load_dataset_file(data / "many.jsonl")
+        table = load_dataset_file(data / "many.csv")
+        parquet = load_dataset_file(data / "one.parquet")
+        embedded = load_dataset_file(data / "embedded.parquet")
+    finally:
+        __import__("os").chdir(monkey_cwd)
+    assert one["image"] == [red, None] and many["images"] == [[red, blue]]
+    assert table["images"] == [[red, blue], [blue]]
+    assert parquet[0]["image"]["path"] == red and parquet[1]["image"]["path"] == blue
+    images = row_images(parquet[1]) + row_images(table[0]) + row_images(embedded[1])
+    assert [tuple(im.convert("RGB").getpixel((0, 0))) for im in images] == [(0, 0, 255), (255, 0, 0), (0, 0, 255),
+                                                                              (0, 0, 255)]
+    assert row_images(one[1]) == []
+
+
+def test_missing_and_unreadable_image_files_name_the_row(tmp_path):
+    _pictures(tmp_path / "pics")
+    rows = [{"prompt": "a", "image": "pics/red.png", "answer": "1"}, {"prompt": "b", "image": "pics/gone.png",
+                                                                        "answer": "1"}]
+    with pytest.raises(ValueError) as e:
+        load_dataset_file(write_jsonl(tmp_path / "gone.jsonl", rows))
+    assert "gone.jsonl: row 1: image file 'pics/gone.png' not found" in str(e.value) and "\n" not in str(e.value)
+    rows[1]["image"] = "pics/notes.png"
+    with pytest.raises(ValueError, match="row 1: image file 'pics/notes.png' is not an image PIL can read"):
+        load_dataset_file(write_jsonl(tmp_path / "notes.jsonl", rows))
+    rows[1] = {"prompt": "b", "images": ["pics/red.png", "https://x.org/a.png"], "answer": "1"}
+    rows[0] = {"prompt": "a", "images": [], "answer": "1"}
+    with pytest.raises(ValueError, match="row 1: images 'https://x.org/a.png' is a URL"):
+        load_dataset_file(write_jsonl(tmp_path / "url.jsonl", rows))
+
+
+def test_a_held_out_picture_is_never_trained_on_but_the_same_question_is(tmp_path):
+    from PIL import Image
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    rows = []
+    for i in range(12):
+        Image.new("RGB", (4, 4), (i * 20, 0, 0)).save(pics / f"{i}.png")
+        rows.append({"prompt": "How many red shapes?", "image": f"pics/{i % 10}.png", "answer": str(i % 3)})
+    task = get_task(str(write_jsonl(tmp_path / "same.jsonl", rows)), n_eval=4, seed=0)
+    held = set(task.eval_dataset["image"])
+    assert len(task.eval_dataset) == 4 and not held & set(task.train_dataset["image"])
+    assert len(task.train_dataset) + len(task.eval_dataset) + task.metadata["dropped_duplicates"] == 12
