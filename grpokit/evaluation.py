@@ -15,6 +15,7 @@ import torch
 from .data import is_conversational
 from .reporting import mean_ci95, wilson_interval
 from .rewards import reward_func_name
+from .rewards.answers import last_number, parse_number
 from .rollout.base import SamplingParams, context_length, stop_token_ids
 from .rollout.sample import sample_and_score
 from .rollout.transformers_backend import TransformersRollout
@@ -97,8 +98,8 @@ def evaluate(
             calls += out.tool_calls or 0
             failures += out.tool_failures
     rewards = torch.cat(all_rewards)
-    summary = _summary(rewards, names, lengths, accuracy_reward)
-    summary["greedy"] = greedy
+    summary = {**_summary(rewards, names, lengths, accuracy_reward), **last_number_accuracy(rows, texts_all),
+               "greedy": greedy}
     if multiturn is not None and multiturn.has_tools:
         summary["tool_calls_per_row"] = calls / len(rows)
         summary["tool_failure_rate"] = failures / calls if calls else 0.0
@@ -117,6 +118,18 @@ def _samples(rows: list, texts: list[str], rewards: torch.Tensor, names: list[st
          "answer": str(rows[i].get("answer", "")), "correct": correct[i]}
         for i in range(min(num_samples, len(rows)))
     ]
+
+
+def last_number_accuracy(rows: list[dict], texts: list[str]) -> dict[str, Any]:
+    """The format-free accuracy of rows whose ``answer`` is a number: the share of completions whose last number,
+    wherever it stands and however it is written around, equals the answer (what the model knows, whether or not it
+    followed the format the strict accuracy asks for). Empty when the answers are not all numbers."""
+    answers = [parse_number(r.get("answer")) if isinstance(r.get("answer"), (str, int)) else None for r in rows]
+    if not rows or any(a is None for a in answers):
+        return {}
+    right = sum(last_number(t) == a for t, a in zip(texts, answers))
+    return {"last_number_accuracy": right / len(rows), "last_number_ci95": list(wilson_interval(right, len(rows))),
+            "last_number_correct": right}
 
 
 def _correct_rows(rewards: torch.Tensor, names: list[str], accuracy_reward: str) -> torch.Tensor:

@@ -546,6 +546,9 @@ def _eval_line(label: str, e: dict[str, Any]) -> str:
     if acc is not None:
         lo, hi = e["accuracy_ci95"]
         parts.append(f"accuracy {acc:.1%} (95% CI {lo:.1%}–{hi:.1%}, n={e['n']})")
+    if "last_number_accuracy" in e:
+        lo, hi = e["last_number_ci95"]
+        parts.append(f"last number right {e['last_number_accuracy']:.1%} ({lo:.1%}–{hi:.1%})")
     if "format_rate" in e:
         parts.append(f"format {e['format_rate']:.1%}")
     return " | ".join(parts)

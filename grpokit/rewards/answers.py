@@ -79,6 +79,18 @@ def parse_number(text: str | int | float | None) -> Fraction | None:
     return value
 
 
+_ANY_NUMBER = re.compile(r"[-−]?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+
+
+def last_number(text: str) -> Fraction | None:
+    """The last number anywhere in ``text`` (``"11 + 20 = 31"`` -> 31), whatever the format around it; ``None`` when
+    it holds none. What a format-free accuracy compares with the answer."""
+    if not isinstance(text, str):
+        return None
+    found = _ANY_NUMBER.findall(text)
+    return parse_number(found[-1].rstrip(",")) if found else None
+
+
 def extract_answer(text: str) -> str | None:
     """The text after the last ``Answer:`` (any case), up to the end of its line; ``None`` if absent."""
     if not isinstance(text, str):

@@ -18,6 +18,8 @@ from transformers.generation.logits_process import (
 
 from ..prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
+from .decode import decode, decodes, token_chooser
+from .packed import packed_linears
 
 
 @contextlib.contextmanager
@@ -153,12 +155,21 @@ class TransformersRollout:
     ``share_prompt_prefill``: when the rows come as groups of ``G`` identical prompts, each prompt is encoded
     once and its KV cache repeated ``G`` times instead of being prefilled ``G`` times (sampling is unchanged:
     the same tokens come out up to float rounding of the prefill).
+
+    ``decode_loop``: on a CPU, sample with :func:`grpokit.rollout.decode.decode` — the same model forward and
+    distribution, finished rows dropped from the batch — wherever it applies (else ``generate``).
+
+    ``pack_weights``: on a CPU, the float32 linear layers compute with weights packed for oneDNN while generating
+    (:mod:`grpokit.rollout.packed`), once per call or once for a whole generation batch (:meth:`generation_batch`).
     """
 
-    def __init__(self, tokenizer, max_batch_size: int | None = None, share_prompt_prefill: bool = True):
+    def __init__(self, tokenizer, max_batch_size: int | None = None, share_prompt_prefill: bool = True,
+                 decode_loop: bool = True, pack_weights: bool = True):
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.share_prompt_prefill = share_prompt_prefill
+        self.decode_loop = decode_loop
+        self.pack_weights = pack_weights
 
     def generation_config(self, model: torch.nn.Module, params: SamplingParams) -> GenerationConfig:
         """``params`` as transformers' generation config; a vision-language model never samples its image
@@ -204,6 +215,8 @@ class TransformersRollout:
             with contextlib.ExitStack() as stack:
                 if not params.lockstep:  # a shard cannot take the merge
                     stack.enter_context(lora_merged(model))
+                    if self.pack_weights:  # after the merge: the merged weights are packed
+                        stack.enter_context(packed_linears(model, prompt_ids.shape[0]))
                 stack.enter_context(contiguous_head_input(model))
                 chunks = self._generate_chunks(model, prompt_ids, prompt_mask, params, config, sampler, vision)
         finally:
@@ -223,9 +236,13 @@ class TransformersRollout:
         prefill would have to carry each family's image positions into ``generate``): each row is prefilled."""
         step = self.max_batch_size or prompt_ids.shape[0]
         share = self.share_prompt_prefill and not params.lockstep and _can_share(model, config, prompt_ids.shape[1])
+        loop = self._decode_loop(model, params, sampler, prompt_ids.device) if vision is None else None
         chunks = []
         for start in range(0, prompt_ids.shape[0], step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
+            if loop is not None:  # the fast path: finished rows leave the batch (grpokit/rollout/decode.py)
+                chunks.append(loop(ids, mask, group_size(ids, mask) if share else 1))
+                continue
             kwargs = {"synced_gpus": params.lockstep}  # explicit: transformers' own test misses accelerate's FSDP2
             if vision is not None:
                 kwargs.update(vision.select(range(start, start + ids.shape[0])).model_kwargs(ids.shape[1]))
@@ -238,11 +255,29 @@ class TransformersRollout:
             chunks.append(out[:, ids.shape[1]:])
         return chunks
 
+    def _decode_loop(self, model, params: SamplingParams, sampler, device: torch.device):
+        """``loop(ids, mask, group) -> completion ids`` with :func:`grpokit.rollout.decode.decode` when it applies (on a
+        CPU, sampling with the fast sampler or greedy, a causal LM whose cache can drop rows, weights not sharded),
+        else None (``generate``)."""
+        from ..sharding import sharding_kind
+
+        inner = inner_causal_lm(model)
+        if (not self.decode_loop or device.type != "cpu" or (params.do_sample and sampler is None)
+                or sharding_kind(model) is not None or not decodes(inner, params)):
+            return None
+        choose = token_chooser(params, sampler if params.do_sample else None)
+        eos, pad = stop_token_ids(model, self.tokenizer), self.tokenizer.pad_token_id
+        min_new = int(params.extra.get("min_new_tokens") or 0)
+        return lambda ids, mask, group: decode(inner, ids, mask, max_new_tokens=params.max_new_tokens, eos_ids=eos,
+                                               pad_id=pad, choose=choose, min_new_tokens=min_new, group=group)
+
     def sync_weights(self, model: torch.nn.Module) -> None:  # the sampler is the trainer's model itself
         return None
 
+    @contextlib.contextmanager
     def generation_batch(self, model: torch.nn.Module):
         """The adapter merged once for every call of one generation batch (each call's own merge then sees it merged
-        and leaves it): 0.35 s a call saved for SmolLM2 in bf16 on a CPU. Not for sharded weights (the trainer
-        does not enter it there)."""
-        return lora_merged(model)
+        and leaves it): 0.35 s a call saved for SmolLM2 in bf16 on a CPU; and the weights packed once
+        (``pack_weights``). Not for sharded weights (the trainer does not enter it there)."""
+        with lora_merged(model), (packed_linears(model) if self.pack_weights else contextlib.nullcontext()):
+            yield

@@ -31,13 +31,15 @@ def test_train_writes_metrics_plots_and_report(tmp_path, tiny_dir, capsys):
     assert [x["step"] for x in lines if "reward" in x] == [1, 2]
     report = json.loads((out / "report.json").read_text())
     for key in ("eval_before", "eval_after"):
-        assert {"reward_mean", "accuracy", "n"} <= set(report[key]) and report[key]["n"] == 4
+        assert {"reward_mean", "accuracy", "last_number_accuracy", "n"} <= set(report[key]) and report[key]["n"] == 4
     assert report["config"]["loss_type"] == "vespo" and report["config"]["learning_rate"] == 1e-3
     assert report["wall_time_s"] > 0
     assert (out / "report.md").exists() and (out / "reward.png").exists()
     assert (out / "final").is_dir()
     text = capsys.readouterr().out
     assert "step 1/2" in text and "before:" in text and "after:" in text
+    assert text.count("last number right") == 2  # the format-free accuracy, before and after
+    assert "last_number_accuracy" in (out / "report.md").read_text()
 
 
 def test_held_out_accuracy_during_training_and_examples(tmp_path, tiny_dir, capsys):

@@ -34,3 +34,18 @@ def test_batch_size_changes_nothing_but_speed_and_the_adapter_is_merged_once(mon
     base = [p for n, p in model.named_parameters() if "base_layer" in n]
     assert base and not any(m.merged_adapters for m in model.modules() if hasattr(m, "merged_adapters"))
     assert all(torch.isfinite(p).all() for p in base)
+
+
+def test_the_format_free_accuracy_is_the_last_number_against_the_answer():
+    from grpokit.evaluation import last_number_accuracy
+    from grpokit.rewards.answers import last_number
+
+    assert last_number("4 + 6 = 10") == 10 and last_number("so -3.5, then 1,200.") == 1200
+    assert last_number("no digits") is None and last_number("3/4") == 0.75
+    rows = [{"answer": "10"}, {"answer": "31"}, {"answer": "7"}, {"answer": 2}]
+    texts = ["4 + 6 = 10", "11 + 20 = 31\nAnswer: 31", "Answer: 8", "two"]  # right, right, wrong, no number
+    out = last_number_accuracy(rows, texts)
+    assert out["last_number_accuracy"] == 0.5 and out["last_number_correct"] == 2
+    lo, hi = out["last_number_ci95"]
+    assert lo < 0.5 < hi
+    assert last_number_accuracy([{"answer": "ten"}], ["10"]) == {}  # answers that are not numbers: none

@@ -56,10 +56,10 @@ def test_shared_prefill_gives_the_same_completions(g, lora):
     (plain, plain_tokens), (shared, shared_tokens) = outs
     assert torch.equal(plain.completion_ids, shared.completion_ids)
     assert torch.equal(plain.completion_mask, shared.completion_mask)
-    # tokens of the first two forwards: the prefill of every prompt row and the first decode step; shared: each
-    # distinct prompt once (all but its last token), then the last prompt token of every row
+    # tokens of the first two forwards (the decode loop, grpokit/rollout/decode.py): the prefill of every prompt row
+    # but its last token, then that token of every row; shared: each distinct prompt once, then the same
     n, length = ids.shape
-    assert plain_tokens == n * length + n
+    assert plain_tokens == n * (length - 1) + n
     assert shared_tokens == (plain_tokens if g == 1 else (n // g) * (length - 1) + n)
 
 
@@ -91,8 +91,8 @@ def test_lockstep_generates_with_synced_gpus_and_no_shared_prefill(lockstep):
 
     model.generate = spy
     ids = torch.tensor([[5, 6, 7]] * 4)
-    TransformersRollout(tok).generate(model, ids, torch.ones_like(ids),
-                                      SamplingParams(max_new_tokens=3, lockstep=lockstep))
+    TransformersRollout(tok, decode_loop=False).generate(model, ids, torch.ones_like(ids),  # generate's arguments
+                                                         SamplingParams(max_new_tokens=3, lockstep=lockstep))
     assert seen[0]["synced_gpus"] is lockstep
     assert ("cache" in seen[0]) is (not lockstep)  # the 4 rows are one group: shared prefill unless lockstep
 
@@ -192,7 +192,7 @@ def test_the_lm_head_gets_a_contiguous_input_while_generating():
         seen.clear()
         TransformersRollout(tok, share_prompt_prefill=False).generate(
             model, ids, mask, SamplingParams(max_new_tokens=3, do_sample=False, extra={"min_new_tokens": 3}))
-        assert len(seen) == 3 and all(seen)
+        assert len(seen) == 4 and all(seen)  # the decode loop's prefill, then 3 steps
     finally:
         hook.remove()
     assert not model.get_output_embeddings()._forward_pre_hooks  # removed after generation

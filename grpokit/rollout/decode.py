@@ -1,0 +1,113 @@
+"""Sampling completions with a decode loop that drops finished rows: the transformers backend's fast path.
+
+``generate`` runs every row of a batch until the longest one ends: a row that ended after 12 tokens keeps going
+through the model, one padding token a step, while the others reach 32 or 48. On a CPU a decode step of 32 to 128
+rows is compute-bound, so those rows cost nearly what live ones do. This loop runs the same model forward (the
+transformers causal LM, its ``DynamicCache``) and the same distribution — the logits processors and warpers
+``generate`` would apply, in its order, through transformers' own classes — but after each step it removes the rows
+that produced an end-of-sequence token from the batch and from the cache (``batch_select_indices``), so the step
+costs what the live rows cost. The prompts of a group of ``G`` identical rows are encoded once
+(:func:`grpokit.prefix.encode_once_per_group`), as the backend does before ``generate``.
+
+It takes what the backend's fast sampler takes (temperature, top-k, top-p, min-p, repetition penalty,
+``min_new_tokens``); anything else a config asks of ``generate`` (beams, static caches, bad words, ...) goes to
+``generate`` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from ..prefix import accepts_cache, encode_once_per_group, position_ids_from_mask
+from .base import SamplingParams
+
+DECODE_EXTRA = {"min_new_tokens"}
+"""``generation_kwargs`` the loop applies itself; with any other one the backend calls ``generate``."""
+
+
+def decodes(model: torch.nn.Module | None, params: SamplingParams) -> bool:
+    """Whether :func:`decode` can sample for ``model`` (the causal LM itself, inside any PEFT/DDP wrapper) with
+    ``params``: a transformers 5 causal LM taking a cache and ``logits_to_keep``, whose cache can drop rows, and no
+    setting that only ``generate`` applies."""
+    if model is None or set(params.extra) - DECODE_EXTRA or params.lockstep:
+        return False
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "is_encoder_decoder", False) or not accepts_cache(model, "logits_to_keep"):
+        return False
+    cache = DynamicCache(config=cfg)
+    return all(hasattr(layer, "batch_select_indices") and hasattr(layer, "batch_repeat_interleave")
+               for layer in getattr(cache, "layers", [None]))
+
+
+def token_chooser(params: SamplingParams, sampler=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``choose(sequences, logits) -> tokens``: the repetition penalty (when set), then either ``sampler`` (the
+    backend's :class:`grpokit.rollout.transformers_backend.InverseCDFSampler`: the warpers and one draw) or the
+    argmax (greedy), as ``generate`` orders them."""
+    processors = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+
+    def choose(sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        scores = processors(sequences, logits) if processors else logits
+        if sampler is not None:
+            scores = sampler(sequences, scores)
+        return scores.argmax(-1)
+
+    return choose
+
+
+@torch.no_grad()
+def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+           eos_ids: list[int], pad_id: int, choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+           min_new_tokens: int = 0, group: int = 1) -> torch.Tensor:
+    """Completions (N, T ≤ ``max_new_tokens``) for left-padded prompts, padded with ``pad_id`` after each row's
+    end-of-sequence token; ``group``: rows come as groups of that many identical prompts (their prompt is encoded
+    once). ``model``: the causal LM (not a PEFT/DDP wrapper; PEFT's LoRA layers are inside it)."""
+    n, p = prompt_ids.shape
+    device = prompt_ids.device
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    if max_new_tokens <= 0:
+        return out[:, :0]
+    cache = _prefill(model, prompt_ids, prompt_mask, group)
+    sequences = torch.cat([prompt_ids, out], 1)  # the rows so far, for processors that look back
+    rows = torch.arange(n, device=device)  # the rows still running
+    mask = prompt_mask.clone()
+    step_input = prompt_ids[:, -1:]  # prompts are left-padded: every row's last column is a real token
+    for t in range(max_new_tokens):
+        positions = position_ids_from_mask(mask)[:, -1:]
+        logits = model(input_ids=step_input, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1].float()
+        if t < min_new_tokens:
+            logits[:, eos] = float("-inf")
+        tokens = choose(sequences[rows, :p + t], logits)
+        out[rows, t] = tokens
+        sequences[rows, p + t] = tokens
+        running = ~torch.isin(tokens, eos)
+        if not bool(running.any()):
+            return out[:, :t + 1]
+        if not bool(running.all()):  # finished rows leave the batch and the cache
+            keep = running.nonzero().flatten()
+            cache.batch_select_indices(keep)
+            rows, tokens, mask = rows[keep], tokens[keep], mask[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        step_input = tokens.unsqueeze(1)
+    return out
+
+
+def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: int):
+    """A cache holding every prompt but its last token (fed by the first decode step), each prompt encoded once for
+    its group when ``group`` > 1."""
+    if group > 1 and prompt_ids.shape[1] > 1:
+        cache, _ = encode_once_per_group(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
+        if cache is not None:
+            return cache
+    cache = DynamicCache(config=model.config)
+    if prompt_ids.shape[1] > 1:
+        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
+        model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), cache=cache,
+              use_cache=True, logits_to_keep=1)
+    return cache

@@ -1,0 +1,101 @@
+"""The decode loop that drops finished rows (grpokit/rollout/decode.py): the completions ``generate`` gives, the
+same processors in the same order, rows leaving the batch when they end, and the backend using it only where it
+applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from grpokit.rollout.base import SamplingParams
+from grpokit.rollout.decode import decode, decodes, token_chooser
+from grpokit.rollout.transformers_backend import InverseCDFSampler, TransformersRollout
+
+
+def prompts(tok, texts, g):
+    enc = tok([t for t in texts for _ in range(g)], return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+class EndByContent(LogitsProcessor):
+    """Forces the end-of-sequence token once a row holds ``2 + (its last prompt token % 7)`` generated tokens: rows
+    end at different steps, decided by their content (the same in both loops whatever their position in the batch)."""
+
+    def __init__(self, prompt_len: int, eos: int):
+        self.prompt_len, self.eos = prompt_len, eos
+
+    def __call__(self, input_ids, scores):
+        made = input_ids.shape[1] - self.prompt_len
+        end = (2 + input_ids[:, self.prompt_len - 1] % 7) <= made
+        scores = scores.clone()
+        scores[end] = float("-inf")
+        scores[end, self.eos] = 0.0
+        return scores
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_greedy_completions_equal_generate_with_rows_ending_at_different_steps(g):
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, seed=3).eval()
+    ids, mask = prompts(tok, ["hello there", "hi", "what is 2 + 2?", "abcd"], g)
+    eos = tok.eos_token_id
+    ender = EndByContent(ids.shape[1], eos)
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[eos],
+                              repetition_penalty=1.3)
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                              logits_processor=LogitsProcessorList([ender]))[:, ids.shape[1]:]
+    chooser = token_chooser(SamplingParams(max_new_tokens=10, do_sample=False, repetition_penalty=1.3))
+    forward_rows = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, k: forward_rows.append(k["input_ids"].shape[0]),
+                                                 with_kwargs=True)
+    got = decode(model, ids, mask, max_new_tokens=10, eos_ids=[eos], pad_id=tok.pad_token_id,
+                 choose=lambda seqs, logits: chooser(seqs, ender(seqs, logits)), group=g)
+    hook.remove()
+    width = max(expected.shape[1], got.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=tok.pad_token_id)  # noqa: E731
+    assert torch.equal(pad(got), pad(expected))
+    lengths = ((got != tok.pad_token_id) & (got != eos)).sum(1)
+    assert len(set(lengths.tolist())) > 1  # rows ended at different steps...
+    decode_steps = forward_rows[1:]  # after the prefill
+    assert decode_steps == sorted(decode_steps, reverse=True) and decode_steps[-1] < ids.shape[0]  # ...and left
+
+
+def test_sampling_uses_the_warpers_and_min_new_tokens():
+    """Sampled with top-k 1 (so every draw is the argmax): the loop's samples are generate's greedy completions, and
+    no row ends before min_new_tokens."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, seed=1).eval()
+    ids, mask = prompts(tok, ["hello", "hey there you"], 2)
+    eos = tok.eos_token_id
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=1, extra={"min_new_tokens": 5})
+    got = decode(model, ids, mask, max_new_tokens=8, eos_ids=[eos], pad_id=tok.pad_token_id,
+                 choose=token_chooser(params, InverseCDFSampler(0.7, top_k=1)), min_new_tokens=5, group=2)
+    config = GenerationConfig(max_new_tokens=8, min_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id,
+                              eos_token_id=[eos])
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    assert torch.equal(got, expected[:, :got.shape[1]])
+    assert not (got[:, :5] == eos).any()
+
+
+def test_the_backend_uses_the_loop_only_where_it_applies():
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    assert decodes(model, SamplingParams(max_new_tokens=4, extra={"min_new_tokens": 2}))
+    assert not decodes(model, SamplingParams(max_new_tokens=4, extra={"no_repeat_ngram_size": 2}))  # generate's
+    assert not decodes(model, SamplingParams(max_new_tokens=4, lockstep=True))
+    ids, mask = prompts(tok, ["hello there", "hi"], 2)
+    calls = []
+    original = model.generate
+    model.generate = lambda **kw: (calls.append(kw), original(**kw))[1]
+    greedy = SamplingParams(max_new_tokens=6, do_sample=False)
+    fast = TransformersRollout(tok).generate(model, ids, mask, greedy)
+    assert not calls  # the loop
+    slow = TransformersRollout(tok, decode_loop=False).generate(model, ids, mask, greedy)
+    assert len(calls) == 1
+    assert torch.equal(fast.completion_ids, slow.completion_ids) and torch.equal(fast.completion_mask,
+                                                                                  slow.completion_mask)
+    TransformersRollout(tok).generate(model, ids, mask, SamplingParams(max_new_tokens=6, do_sample=False,
+                                                                       extra={"no_repeat_ngram_size": 2}))
+    assert len(calls) == 2
