@@ -21,6 +21,7 @@ from .rollout.transformers_backend import TransformersRollout
 from .sharding import weights_for_generation
 from .tools import TurnLimits
 from .user_calls import RunStopped
+from .vision.encoding import tokenizer_of
 
 
 @torch.no_grad()
@@ -68,7 +69,7 @@ def evaluate(
     if not rows:
         raise ValueError("evaluation dataset is empty")
     device = next(model.parameters()).device
-    rollout = TransformersRollout(tokenizer)
+    rollout = TransformersRollout(tokenizer_of(tokenizer))  # ``tokenizer`` may be a VLM's processor
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
     names = [reward_func_name(f) for f in reward_funcs]
     limits = TurnLimits(stop_token_ids(model, tokenizer), max_completion_length or max_new_tokens, context_length(model))
@@ -79,14 +80,14 @@ def evaluate(
         if not weights.lockstep:  # the LoRA adapter merged once for every batch, not once per batch
             stack.enter_context(rollout.generation_batch(weights.model))
 
-        def generate(ids, mask, max_new_tokens=None):
+        def generate(ids, mask, max_new_tokens=None, **images):  # images: a batch with images only
             p = params if max_new_tokens is None else dataclasses.replace(params, max_new_tokens=max_new_tokens)
-            return rollout.generate(weights.model, ids, mask, p)
+            return rollout.generate(weights.model, ids, mask, p, **images)
 
         for s in range(0, len(rows), batch_size):
             out = sample_and_score(rows[s:s + batch_size], tokenizer, generate, reward_funcs,
                                    max_prompt_length=max_prompt_length, device=device, multiturn=multiturn,
-                                   limits=limits, bounds=bounds)
+                                   limits=limits, bounds=bounds, dtype=next(model.parameters()).dtype)
             if out.incidents.stop_cause is not None:
                 raise RunStopped(f"the evaluation stopped: {out.incidents.stop_cause}")
             all_rewards.append(out.rewards)
@@ -167,6 +168,14 @@ def _nanmean(x: torch.Tensor) -> float | None:
 
 def _last_user_turn(prompt: Any) -> str:
     if is_conversational(prompt):
-        users = [m["content"] for m in prompt if m.get("role") == "user"]
-        return users[-1] if users else str(prompt[-1].get("content", ""))
+        users = [_content_text(m["content"]) for m in prompt if m.get("role") == "user"]
+        return users[-1] if users else _content_text(prompt[-1].get("content", ""))
     return str(prompt)
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as text; an image part as ``<image>``."""
+    if not isinstance(content, list):
+        return str(content)
+    return "".join("<image>" if isinstance(p, dict) and p.get("type") == "image" else
+                   str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
