@@ -68,6 +68,10 @@ def evaluate(
     rows = [dataset[i] for i in range(len(dataset) if n is None else min(n, len(dataset)))]
     if not rows:
         raise ValueError("evaluation dataset is empty")
+    from .vision.detection import check_vision_setup
+    from .vision.images import image_column
+
+    check_vision_setup(model, tokenizer, image_column(list(rows[0])) is not None, dataset="the evaluation dataset")
     device = next(model.parameters()).device
     rollout = TransformersRollout(tokenizer_of(tokenizer))  # ``tokenizer`` may be a VLM's processor
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)

@@ -459,11 +459,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
         super().log({**logs, **metrics}, start_time)
         if self.args.log_completions and self._last_samples and self.accelerator.is_main_process:
-            from .reporting.tables import log_completions
+            from .reporting.tables import log_completions, tensorboard_writer
 
             log_completions(self._last_samples, self.state.global_step, self.args.output_dir,
                             max_rows=self.args.num_completions_to_print or 8,
-                            unique_prompts=self.args.log_unique_prompts, report_to=self.args.report_to)
+                            unique_prompts=self.args.log_unique_prompts, report_to=self.args.report_to,
+                            tensorboard=tensorboard_writer(self.callback_handler.callbacks))
             self._last_samples = None  # shown once: the end-of-training summary log does not repeat it
 
 
