@@ -65,13 +65,7 @@ def evaluate(
     must call this together and ``gather`` decides how generation sees the weights (grpokit/sharding.py).
     """
     start = time.perf_counter()
-    rows = [dataset[i] for i in range(len(dataset) if n is None else min(n, len(dataset)))]
-    if not rows:
-        raise ValueError("evaluation dataset is empty")
-    from .vision.detection import check_vision_setup
-    from .vision.images import image_column
-
-    check_vision_setup(model, tokenizer, image_column(list(rows[0])) is not None, dataset="the evaluation dataset")
+    rows = _eval_rows(dataset, n, model, tokenizer)
     device = next(model.parameters()).device
     rollout = TransformersRollout(tokenizer_of(tokenizer))  # ``tokenizer`` may be a VLM's processor
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
@@ -109,6 +103,19 @@ def evaluate(
         summary["tool_failure_rate"] = failures / calls if calls else 0.0
     summary["seconds"] = time.perf_counter() - start
     return summary, _samples(rows, texts_all, rewards, names, accuracy_reward, num_samples)
+
+
+def _eval_rows(dataset, n: int | None, model, tokenizer) -> list[dict]:
+    """The first ``n`` rows; an empty set, or rows with images the model cannot see (a text-only model, a VLM given a
+    tokenizer instead of its processor), is an error."""
+    from .vision.detection import check_vision_setup
+    from .vision.images import image_column
+
+    rows = [dataset[i] for i in range(len(dataset) if n is None else min(n, len(dataset)))]
+    if not rows:
+        raise ValueError("evaluation dataset is empty")
+    check_vision_setup(model, tokenizer, image_column(list(rows[0])) is not None, dataset="the evaluation dataset")
+    return rows
 
 
 def _samples(rows: list, texts: list[str], rewards: torch.Tensor, names: list[str], accuracy_reward: str | None,
