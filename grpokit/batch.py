@@ -70,7 +70,9 @@ class RolloutBatch:
         """The rows ``rows`` (a slice or index tensor); batch-wide values (0-dim) are kept."""
         vision = None
         if self.vision is not None:
-            vision = self.vision.select(rows if isinstance(rows, slice) else rows.flatten().tolist())
+            if isinstance(rows, torch.Tensor):
+                rows_list = (rows.nonzero().flatten() if rows.dtype == torch.bool else rows.flatten()).tolist()
+            vision = self.vision.select(rows if isinstance(rows, slice) else rows_list)
         return RolloutBatch(**{k: (v[rows] if v.dim() > 0 else v) for k, v in self.tensors().items()}, vision=vision)
 
     def split(self, parts: int) -> list[RolloutBatch]:

@@ -85,7 +85,7 @@ def evaluate(
         for s in range(0, len(rows), batch_size):
             out = sample_and_score(rows[s:s + batch_size], tokenizer, generate, reward_funcs,
                                    max_prompt_length=max_prompt_length, device=device, multiturn=multiturn,
-                                   limits=limits, bounds=bounds, dtype=next(model.parameters()).dtype)
+                                   limits=limits, bounds=bounds, dtype=_float_dtype(model))
             if out.incidents.stop_cause is not None:
                 raise RunStopped(f"the evaluation stopped: {out.incidents.stop_cause}")
             all_rewards.append(out.rewards)
@@ -103,6 +103,11 @@ def evaluate(
         summary["tool_failure_rate"] = failures / calls if calls else 0.0
     summary["seconds"] = time.perf_counter() - start
     return summary, _samples(rows, texts_all, rewards, names, accuracy_reward, num_samples)
+
+
+def _float_dtype(model) -> torch.dtype | None:
+    """The dtype a VLM's pixel values are given in: its weights' (the first floating-point one's)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _eval_rows(dataset, n: int | None, model, tokenizer) -> list[dict]:

@@ -140,6 +140,8 @@ def test_rollout_batches_split_and_move_their_pictures_with_their_rows(family):
         assert torch.equal(t, batch.vision.select([2, 3]).tensors[k]), k
     picked = batch.select(torch.tensor([5, 0]))
     assert picked.vision.images_per_row == [0, 1] and picked.advantages.tolist() == [5.0, 0.0]
+    masked = batch.select(torch.tensor([False, False, True, False, False, True]))
+    assert masked.vision.images_per_row == [1, 0] and masked.advantages.tolist() == [2.0, 5.0]
     moved = batch.to("cpu")
     assert moved.vision is not batch.vision and moved.vision.images_per_row == batch.vision.images_per_row
     back = RolloutBatch.from_tensors(batch.state())
