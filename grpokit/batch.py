@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .vision.inputs import VisionInputs
+
 logger = logging.getLogger("grpokit")
 
 
@@ -47,6 +49,9 @@ class RolloutBatch:
     tool_mask: torch.Tensor | None = None
     """(N, C) 0 on completion tokens the model did not generate (tool results): they are context for the forward but
     take no part in the loss, the entropy or the lengths."""
+    vision: VisionInputs | None = None
+    """The prompts' image tensors (a vision-language model's batch with images), one row per row: every forward of
+    these rows gets them."""
 
     def __len__(self) -> int:
         return int(self.completion_ids.shape[0])
@@ -57,12 +62,18 @@ class RolloutBatch:
         return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The fields that are set, by name."""
-        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+        """The tensor fields that are set, by name (:attr:`vision` is not one: see :meth:`state`)."""
+        return {f.name: v for f in dataclasses.fields(self)
+                if f.name != "vision" and (v := getattr(self, f.name)) is not None}
 
     def select(self, rows: slice | torch.Tensor) -> RolloutBatch:
         """The rows ``rows`` (a slice or index tensor); batch-wide values (0-dim) are kept."""
-        return RolloutBatch(**{k: (v[rows] if v.dim() > 0 else v) for k, v in self.tensors().items()})
+        vision = None
+        if self.vision is not None:
+            if isinstance(rows, torch.Tensor):
+                rows_list = (rows.nonzero().flatten() if rows.dtype == torch.bool else rows.flatten()).tolist()
+            vision = self.vision.select(rows if isinstance(rows, slice) else rows_list)
+        return RolloutBatch(**{k: (v[rows] if v.dim() > 0 else v) for k, v in self.tensors().items()}, vision=vision)
 
     def split(self, parts: int) -> list[RolloutBatch]:
         """``parts`` micro-batches of equal size, in order."""
@@ -74,16 +85,32 @@ class RolloutBatch:
         return [self.select(slice(p * size, (p + 1) * size)) for p in range(parts)]
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        return RolloutBatch(**{k: v.to(device) for k, v in self.tensors().items()})
+        return RolloutBatch(**{k: v.to(device) for k, v in self.tensors().items()},
+                            vision=self.vision.to(device) if self.vision is not None else None)
+
+    def state(self) -> dict[str, Any]:
+        """Everything the batch holds, as tensors by name (the image tensors as ``vision/<name>``) and, for a batch
+        with images, their layout (``vision_layout``, JSON values): what a checkpoint stores."""
+        state: dict[str, Any] = dict(self.tensors())
+        if self.vision is not None:
+            state.update({f"vision/{k}": v for k, v in self.vision.tensors.items()})
+            state["vision_layout"] = self.vision.layout()
+        return state
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RolloutBatch:
-        """The inverse of :meth:`tensors`; unknown names are an error (a checkpoint from another version)."""
-        known = {f.name for f in dataclasses.fields(cls)}
+    def from_tensors(cls, tensors: dict[str, Any]) -> RolloutBatch:
+        """The inverse of :meth:`state` (and :meth:`tensors`); unknown names are an error (a checkpoint from another
+        version)."""
+        tensors = dict(tensors)
+        layout = tensors.pop("vision_layout", None)
+        images = {k.split("/", 1)[1]: tensors.pop(k) for k in [k for k in tensors if k.startswith("vision/")]}
+        known = {f.name for f in dataclasses.fields(cls)} - {"vision"}
         unknown = set(tensors) - known
         if unknown:
             raise ValueError(f"rollout tensors {sorted(unknown)} are not fields of RolloutBatch ({sorted(known)})")
-        return cls(**tensors)
+        if (layout is None) != (not images):
+            raise ValueError("rollout image tensors and their layout must come together")
+        return cls(**tensors, vision=VisionInputs.from_layout(images, layout) if layout is not None else None)
 
 
 class RolloutBuffer:
@@ -135,18 +162,18 @@ class RolloutBuffer:
             return None
         state: dict[str, Any] = {"parts": len(self.parts), "micro_step": self.micro_step}
         for i, part in enumerate(self.parts):
-            for key, value in part.tensors().items():
-                state[f"{i}/{key}"] = value.detach().to("cpu").clone()  # parts may share a tensor
+            for key, value in part.state().items():  # the image tensors too: a resume trains on the same pictures
+                state[f"{i}/{key}"] = value.detach().to("cpu").clone() if isinstance(value, torch.Tensor) else value
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.micro_step % self.generate_every == 0:
             return  # resumed on a generation boundary: the next batch is generated
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(int(state.get("parts", 0)))]
+        parts: list[dict[str, Any]] = [{} for _ in range(int(state.get("parts", 0)))]
         for name, value in state.items():
-            if isinstance(value, torch.Tensor):
+            if "/" in name:
                 i, key = name.split("/", 1)
-                parts[int(i)][key] = value.to(self.device)
+                parts[int(i)][key] = value.to(self.device) if isinstance(value, torch.Tensor) else value
         self.parts = [RolloutBatch.from_tensors(p) for p in parts]
 
     def missing_from_checkpoint(self, path: str) -> None:

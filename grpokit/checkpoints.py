@@ -289,7 +289,13 @@ class CheckpointingMixin:
         self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        from .checkpoint_weights import load_renamed, needs_renamed_load
+
         with _loading("the model weights", resume_from_checkpoint):
+            target = model if model is not None else self.model
+            if not self.is_deepspeed_enabled and not self.is_fsdp_enabled and needs_renamed_load(target,
+                                                                                                resume_from_checkpoint):
+                return load_renamed(target, resume_from_checkpoint)  # a VLM's checkpoint names (checkpoint_weights.py)
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

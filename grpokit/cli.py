@@ -273,12 +273,20 @@ def _load_checked(path: str, tokenizer: str | None):
             raise ValueError(f"adapter {path!r} does not name its base model (base_model_name_or_path in "
                              "adapter_config.json); load the base model and the adapter in Python")
         check_model_source(base)
-    tok = load_tokenizer(tokenizer or _tokenizer_source(path))
     if base is None:
-        return load_model(path).eval(), tok
-    from peft import PeftModel
+        model = load_model(path).eval()
+    else:
+        from peft import PeftModel
 
-    return PeftModel.from_pretrained(load_model(base), path).eval(), tok
+        model = PeftModel.from_pretrained(load_model(base), path).eval()
+    source = tokenizer or _tokenizer_source(path)
+    from .vision.detection import is_vlm
+
+    if is_vlm(model):  # a vision-language model's prompts go through its processor
+        from .vision.loading import load_processor
+
+        return model, load_processor(source)
+    return model, load_tokenizer(source)
 
 
 def _tokenizer_source(model_path: str) -> str:

@@ -280,6 +280,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                                      "than their A matrices (the paper suggests ~16, with a learning rate about half "
                                      "of plain LoRA's). None: one learning rate for both.")
     )
+    freeze_vision: bool = field(
+        default=False, metadata=_meta("A vision-language model trained in full: its vision tower and projector get no "
+                                      "gradient (only the language model trains). False: every parameter trains, as in "
+                                      "TRL. With a LoRA peft_config its target modules decide (docs/vision.md).")
+    )
     skip_nonfinite_steps: bool = field(
         default=False,
         metadata=_meta("Skip (and count) a micro-step whose loss is not finite instead of raising."),
@@ -379,6 +384,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         self._validate_loss(check)
         self._validate_training_arguments(check)
         self._validate_vllm(check)
+        check.boolean("freeze_vision")
         if self.reward_weights is not None:
             if not isinstance(self.reward_weights, (list, tuple)) or not all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights

@@ -22,6 +22,7 @@ from .rollout.transformers_backend import TransformersRollout
 from .sharding import weights_for_generation
 from .tools import TurnLimits
 from .user_calls import RunStopped
+from .vision.encoding import tokenizer_of
 
 
 @torch.no_grad()
@@ -65,11 +66,9 @@ def evaluate(
     must call this together and ``gather`` decides how generation sees the weights (grpokit/sharding.py).
     """
     start = time.perf_counter()
-    rows = [dataset[i] for i in range(len(dataset) if n is None else min(n, len(dataset)))]
-    if not rows:
-        raise ValueError("evaluation dataset is empty")
+    rows = _eval_rows(dataset, n, model, tokenizer)
     device = next(model.parameters()).device
-    rollout = TransformersRollout(tokenizer)
+    rollout = TransformersRollout(tokenizer_of(tokenizer))  # ``tokenizer`` may be a VLM's processor
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
     names = [reward_func_name(f) for f in reward_funcs]
     limits = TurnLimits(stop_token_ids(model, tokenizer), max_completion_length or max_new_tokens, context_length(model))
@@ -80,14 +79,14 @@ def evaluate(
         if not weights.lockstep:  # the LoRA adapter merged once for every batch, not once per batch
             stack.enter_context(rollout.generation_batch(weights.model))
 
-        def generate(ids, mask, max_new_tokens=None):
+        def generate(ids, mask, max_new_tokens=None, **images):  # images: a batch with images only
             p = params if max_new_tokens is None else dataclasses.replace(params, max_new_tokens=max_new_tokens)
-            return rollout.generate(weights.model, ids, mask, p)
+            return rollout.generate(weights.model, ids, mask, p, **images)
 
         for s in range(0, len(rows), batch_size):
             out = sample_and_score(rows[s:s + batch_size], tokenizer, generate, reward_funcs,
                                    max_prompt_length=max_prompt_length, device=device, multiturn=multiturn,
-                                   limits=limits, bounds=bounds)
+                                   limits=limits, bounds=bounds, dtype=_float_dtype(model))
             if out.incidents.stop_cause is not None:
                 raise RunStopped(f"the evaluation stopped: {out.incidents.stop_cause}")
             all_rewards.append(out.rewards)
@@ -105,6 +104,24 @@ def evaluate(
         summary["tool_failure_rate"] = failures / calls if calls else 0.0
     summary["seconds"] = time.perf_counter() - start
     return summary, _samples(rows, texts_all, rewards, names, accuracy_reward, num_samples)
+
+
+def _float_dtype(model) -> torch.dtype | None:
+    """The dtype a VLM's pixel values are given in: its weights' (the first floating-point one's)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _eval_rows(dataset, n: int | None, model, tokenizer) -> list[dict]:
+    """The first ``n`` rows; an empty set, or rows with images the model cannot see (a text-only model, a VLM given a
+    tokenizer instead of its processor), is an error."""
+    from .vision.detection import check_vision_setup
+    from .vision.images import image_column
+
+    rows = [dataset[i] for i in range(len(dataset) if n is None else min(n, len(dataset)))]
+    if not rows:
+        raise ValueError("evaluation dataset is empty")
+    check_vision_setup(model, tokenizer, image_column(list(rows[0])) is not None, dataset="the evaluation dataset")
+    return rows
 
 
 def _samples(rows: list, texts: list[str], rewards: torch.Tensor, names: list[str], accuracy_reward: str | None,
@@ -180,6 +197,14 @@ def _nanmean(x: torch.Tensor) -> float | None:
 
 def _last_user_turn(prompt: Any) -> str:
     if is_conversational(prompt):
-        users = [m["content"] for m in prompt if m.get("role") == "user"]
-        return users[-1] if users else str(prompt[-1].get("content", ""))
+        users = [_content_text(m["content"]) for m in prompt if m.get("role") == "user"]
+        return users[-1] if users else _content_text(prompt[-1].get("content", ""))
     return str(prompt)
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as text; an image part as ``<image>``."""
+    if not isinstance(content, list):
+        return str(content)
+    return "".join("<image>" if isinstance(p, dict) and p.get("type") == "image" else
+                   str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)

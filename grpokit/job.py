@@ -175,11 +175,26 @@ def _check_before_loading(job: dict[str, Any], config, task) -> None:
     prompts = config.generation_batch_size // config.num_generations
     check_prompt_count(len(task.train_dataset), prompts)
     check_column_names("the task's dataset", task.train_dataset.column_names)
+    _check_images_before_loading(job, config, task)
     kwargs = config.model_init_kwargs or {}
     unknown = sorted(set(kwargs) - MODEL_INIT_KWARGS)
     if unknown:
         raise JobError(f"model_init_kwargs {unknown} are not used by grpokit train; allowed: "
                        f"{', '.join(sorted(MODEL_INIT_KWARGS))}")
+
+
+def _check_images_before_loading(job: dict[str, Any], config, task) -> None:
+    """A task with images (``shapes``, a data file naming pictures) needs a vision-language model: one line before
+    any weights load. Each picture was read already (built by the task, or checked when its data file was read)."""
+    from .models import is_vlm_source
+    from .vision.images import image_column
+
+    if image_column(task.train_dataset.column_names) is None:
+        return
+    if not is_vlm_source(job["model"], trust_remote_code=config.trust_remote_code):
+        raise JobError(f"the task's dataset has images (an {image_column(task.train_dataset.column_names)!r} column) "
+                       f"but model {job['model']!r} is not a vision-language model: it cannot see them; use a VLM "
+                       "(a local directory or hub id of Qwen2.5-VL, SmolVLM, Gemma 3, LLaVA, ...: docs/vision.md)")
 
 
 MODEL_INIT_KWARGS = {"dtype", "torch_dtype", "attn_implementation", "revision", "device_map", "low_cpu_mem_usage",
@@ -220,13 +235,24 @@ def chat_template_text(spec: str) -> str:
     return Path(spec).expanduser().read_text()
 
 
-def lora_config(lora: dict[str, Any]):
+def lora_config(lora: dict[str, Any], model=None):
+    """The job's ``lora`` section as a ``peft.LoraConfig``. Without ``target_modules``: every linear layer
+    (``all-linear``), and for a vision-language ``model`` every linear layer of its language model (its vision tower
+    and projector stay frozen: :func:`grpokit.vision.lora_settings`)."""
     from peft import LoraConfig
 
     check_lora(lora)
     r = int(lora.get("r", 16))
+    targets = lora.get("target_modules", "all-linear")
+    if "target_modules" not in lora and model is not None:
+        from .vision.detection import is_vlm
+
+        if is_vlm(model):
+            from .vision.adapters import lora_settings
+
+            targets = lora_settings(model)["target_modules"]
     return LoraConfig(r=r, lora_alpha=int(lora.get("alpha", 2 * r)), lora_dropout=float(lora.get("dropout", 0.0)),
-                      target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM")
+                      target_modules=targets, task_type="CAUSAL_LM")
 
 
 def run_job(spec: dict[str, Any], *, quiet: bool = False, resume: str | None = None, overwrite: bool = False,
@@ -255,6 +281,7 @@ class _JobRun:
         self.callbacks = list(callbacks or [])
         (self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev,
          self.multiturn) = prepare(spec, config_dir)
+        self.freeze_vision_given = isinstance(spec, dict) and "freeze_vision" in spec
         self.quiet, self.resume = quiet, resume
         self.overwrite, self.force_resume = overwrite, force_resume
         self.main = self.config.process_index == 0
@@ -330,7 +357,7 @@ class _JobRun:
         return resume_path
 
     def _load(self):
-        from .models import builtin_cache_dir, builtin_cache_missing, load_model, load_tokenizer
+        from .models import builtin_cache_dir, builtin_cache_missing, load_model, load_processing_class
 
         name, trust = self.job["model"], self.config.trust_remote_code
         converting = builtin_cache_missing(name)
@@ -339,7 +366,7 @@ class _JobRun:
                       "(once; later runs load that copy)")
         start = time.perf_counter()
         try:
-            tokenizer = load_tokenizer(name, trust_remote_code=trust)  # a built-in's first load converts it
+            tokenizer = load_processing_class(name, trust_remote_code=trust)  # a built-in's first load converts it
         except Exception as e:  # noqa: BLE001 - any loading failure is one line naming the model
             raise JobError(f"the tokenizer of {name!r} could not be loaded: {type(e).__name__}: {e}") from None
         if converting:
@@ -367,7 +394,7 @@ class _JobRun:
             return
         from .models import lora_target_problem
 
-        problem = lora_target_problem(model, lora_config(self.lora))
+        problem = lora_target_problem(model, lora_config(self.lora, model))
         if problem is not None:
             raise JobError(problem.replace("peft_config.target_modules", "lora.target_modules"))
 
@@ -454,10 +481,11 @@ class _JobRun:
         # the job loaded the model with model_init_kwargs (_load): the trainer, given it loaded, would warn that they
         # are ignored
         init_kwargs, self.config.model_init_kwargs = self.config.model_init_kwargs, None
+        self._default_freeze_vision(model)
         try:
             trainer = GRPOTrainer(model, self.reward_funcs or None, args=self.config,
                                   train_dataset=self.task.train_dataset, processing_class=tokenizer,
-                                  peft_config=lora_config(self.lora) if self.lora is not None else None,
+                                  peft_config=lora_config(self.lora, model) if self.lora is not None else None,
                                   tools=mt.tools if mt is not None else None,
                                   environment_factory=mt.environments.factory if mt is not None and mt.environments
                                   else None)
@@ -493,6 +521,16 @@ class _JobRun:
             raise TrainingInterrupted(trainer.interrupted, checkpoint, trainer.state.global_step)
         self._save_final(trainer)
         return trainer, time.perf_counter() - start
+
+    def _default_freeze_vision(self, model) -> None:
+        """A job trains a vision-language model's language model only, unless asked: with ``lora`` the adapters
+        (:func:`lora_config`), in full fine-tuning ``freeze_vision`` (on unless the config sets it)."""
+        from .vision.detection import is_vlm
+
+        if self.lora is None and not self.freeze_vision_given and is_vlm(model):
+            self.config.freeze_vision = True
+            self.tell("full fine-tuning of a vision-language model: its vision tower and projector stay frozen "
+                      "(freeze_vision: false trains them too)")
 
     def _held_out(self, trainer, metrics, summary: dict[str, Any]) -> None:
         """One evaluation during training: into metrics.jsonl and one line on the terminal."""

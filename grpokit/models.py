@@ -474,6 +474,28 @@ def _is_vlm_checkpoint(directory: str, trust_remote_code: bool) -> bool:
     return is_vlm_config(config)
 
 
+def is_vlm_source(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False) -> bool:
+    """Whether a model name understood by :func:`load_model` is a vision-language model's checkpoint (its config read,
+    no weights loaded)."""
+    if _builtin_key(name_or_path) is not None:
+        return False
+    try:
+        directory, gguf_file = resolve_model(name_or_path)
+    except (OSError, ValueError):
+        return False
+    return gguf_file is None and _is_vlm_checkpoint(directory, trust_remote_code)
+
+
+def load_processing_class(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
+    """What :func:`load_model`'s model is given prompts with: a vision-language model's processor
+    (:func:`grpokit.vision.load_processor`), else its tokenizer (:func:`load_tokenizer`)."""
+    if is_vlm_source(name_or_path, trust_remote_code=trust_remote_code):
+        from .vision.loading import load_processor
+
+        return load_processor(resolve_model(name_or_path)[0], trust_remote_code=trust_remote_code)
+    return load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
+
+
 def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False, **kwargs):
     """Load the tokenizer for a model name understood by :func:`load_model`.
 

@@ -55,6 +55,7 @@ from .trainer_setup import (
     no_dispatch,
     router_aux_loss_coef,
     setup_rewards,
+    setup_vision,
 )
 from .weight_average import start_weight_average
 
@@ -78,7 +79,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         args: :class:`GRPOConfig`.
         train_dataset / eval_dataset: datasets with a ``prompt`` column (text or chat messages); every other
             column is passed to the reward functions by name.
-        processing_class: the tokenizer (loaded from the model when None); padding is set to the left.
+        processing_class: the tokenizer, or a vision-language model's processor (loaded from the model when None;
+            docs/vision.md); padding is set to the left.
         reward_processing_classes: tokenizers of reward models, in the order of ``reward_funcs``.
         peft_config: a ``peft`` config; the model is wrapped with it (LoRA) and the reference policy, when
             ``beta != 0``, is the same model with the adapter disabled.
@@ -126,6 +128,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         transformers.set_seed(args.seed)  # before the model and its adapter are made: LoRA's init is random
         model, processing_class = load_policy(model, model_id, processing_class, args, quantization_config)
         check_vocabulary(model, processing_class)
+        setup_vision(model, processing_class, args, train_dataset, eval_dataset, rollout_func=rollout_func,
+                     peft_config=peft_config)  # images need a VLM and its processor; freeze_vision
         if self.multiturn is not None:
             self.multiturn.check_template(processing_class)
         self.ref_model = None
@@ -364,6 +368,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         logps, entropies = completion_logps(
             model, inputs.prompt_ids, inputs.prompt_mask, inputs.completion_ids, inputs.completion_mask,
             temperature=a.temperature, compute_entropy=True, entropy_grad=bonus.enabled, aux_losses=aux,
+            vision=inputs.vision,
         )
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
         scale = LossScale(max_completion_length=a.max_completion_length, num_items_in_batch=inputs.num_items_in_batch,
@@ -454,11 +459,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
         super().log({**logs, **metrics}, start_time)
         if self.args.log_completions and self._last_samples and self.accelerator.is_main_process:
-            from .reporting.tables import log_completions
+            from .reporting.tables import log_completions, tensorboard_writer
 
             log_completions(self._last_samples, self.state.global_step, self.args.output_dir,
                             max_rows=self.args.num_completions_to_print or 8,
-                            unique_prompts=self.args.log_unique_prompts, report_to=self.args.report_to)
+                            unique_prompts=self.args.log_unique_prompts, report_to=self.args.report_to,
+                            tensorboard=tensorboard_writer(self.callback_handler.callbacks))
             self._last_samples = None  # shown once: the end-of-training summary log does not repeat it
 
 

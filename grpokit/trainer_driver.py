@@ -72,10 +72,11 @@ class TrainerDriver:
 
     # -- sampling --------------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 max_new_tokens: int | None = None) -> Generation:
+                 max_new_tokens: int | None = None, **images) -> Generation:
         """Sample one completion per row with the current policy: an engine with its own copy of the weights (vLLM)
         gets them pushed first when they changed; otherwise the trainer's model generates (sharded weights gathered
-        as ``ds3_gather_for_generation`` says)."""
+        as ``ds3_gather_for_generation`` says). ``images`` (``vision=``, ``images=``: a batch with images only) go to
+        the backend as they are."""
         t = self.trainer
         wrapped, unwrapped = self._wrapped(), self.policy()
         params = self._params(max_new_tokens)
@@ -84,17 +85,17 @@ class TrainerDriver:
                 t.rollout.sync_weights(unwrapped)
             self.synced_step = t.state.global_step
         if self.holds_weights:
-            return t.rollout.generate(unwrapped, prompt_ids, prompt_mask, params)
+            return t.rollout.generate(unwrapped, prompt_ids, prompt_mask, params, **images)
         with weights_for_generation(wrapped, unwrapped, gather=t.args.ds3_gather_for_generation) as weights:
             params.lockstep = weights.lockstep
-            return t.rollout.generate(weights.model, prompt_ids, prompt_mask, params)
+            return t.rollout.generate(weights.model, prompt_ids, prompt_mask, params, **images)
 
     def generate_with(self, model: torch.nn.Module | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      max_new_tokens: int | None = None) -> Generation:
+                      max_new_tokens: int | None = None, **images) -> Generation:
         """Sample with ``model`` (the producer's copy; None: an engine holding its own weights) and the run's
         settings."""
         return self.trainer.rollout.generate(model if model is not None else self.policy(), prompt_ids, prompt_mask,
-                                             self._params(max_new_tokens))
+                                             self._params(max_new_tokens), **images)
 
     def _params(self, max_new_tokens: int | None) -> SamplingParams:
         params = sampling_params(self.trainer.args)
@@ -117,16 +118,16 @@ class TrainerDriver:
             self.trainer.rollout.sync_weights(self.policy())
 
     # -- log-probs -------------------------------------------------------------------------------------------------
-    def policy_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    def policy_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None) -> torch.Tensor:
         a = self.trainer.args
         return completion_logps(self.trainer.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                 temperature=a.temperature, compute_entropy=False,
-                                batch_size=a.per_device_train_batch_size)[0]
+                                batch_size=a.per_device_train_batch_size, vision=vision)[0]
 
-    def reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    def reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None) -> torch.Tensor:
         t = self.trainer
         kwargs = dict(temperature=t.args.temperature, compute_entropy=False,
-                      batch_size=t.args.per_device_train_batch_size)
+                      batch_size=t.args.per_device_train_batch_size, vision=vision)
         if t.ref_model is not None:
             return completion_logps(t.ref_model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs)[0]
         model = self.policy()

@@ -15,6 +15,7 @@ from .data import check_dataset, check_prompt_count, is_iterable_dataset
 from .rewards import check_reward_weights, resolve_reward_funcs, reward_func_name
 from .rollout.transformers_backend import TransformersRollout
 from .validation import short_repr
+from .vision.encoding import tokenizer_of
 
 logger = logging.getLogger("grpokit")
 
@@ -74,8 +75,9 @@ def _reward_tokenizer(func, proc):
 
 
 def load_policy(model, model_id, processing_class, args: GRPOConfig, quantization_config=None):
-    """The policy model (loaded when given by name, quantised with ``quantization_config``) and its tokenizer,
-    padded on the left; the model's configs learn the pad token; dropout off with ``disable_dropout``."""
+    """The policy model (loaded when given by name, quantised with ``quantization_config``) and its tokenizer — a
+    vision-language model's processor (TRL's ``processing_class``), loaded with it when not given —, padded on the
+    left; the model's configs learn the pad token; dropout off with ``disable_dropout``."""
     if isinstance(model, str):
         from .models import load_model
 
@@ -91,22 +93,34 @@ def load_policy(model, model_id, processing_class, args: GRPOConfig, quantizatio
             if value:
                 logger.warning("%s is ignored: the model was passed already loaded", what)
     if processing_class is None:
-        from .models import load_tokenizer
-
-        processing_class = load_tokenizer(model_id if isinstance(model_id, str) else model.name_or_path,
-                                          trust_remote_code=args.trust_remote_code)
-    processing_class.padding_side = "left"
-    if processing_class.pad_token_id is None:
-        processing_class.pad_token = processing_class.eos_token
+        processing_class = _load_processing_class(model, model_id, args)
+    tokenizer = tokenizer_of(processing_class)  # a processor's tokenizer pads
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    config.pad_token_id = processing_class.pad_token_id
+    config.pad_token_id = tokenizer.pad_token_id
     if getattr(model, "generation_config", None) is not None:
-        model.generation_config.pad_token_id = processing_class.pad_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
     return model, processing_class
+
+
+def _load_processing_class(model, model_id, args: GRPOConfig):
+    """The processing class of the model's checkpoint: a vision-language model's processor, else its tokenizer."""
+    from .vision.detection import is_vlm
+
+    name = model_id if isinstance(model_id, str) else model.name_or_path
+    if is_vlm(model):
+        from .vision.loading import load_processor
+
+        return load_processor(name, trust_remote_code=args.trust_remote_code)
+    from .models import load_tokenizer
+
+    return load_tokenizer(name, trust_remote_code=args.trust_remote_code)
 
 
 def is_peft(model) -> bool:
@@ -124,11 +138,12 @@ def default_rollout(model, processing_class, args: GRPOConfig):
         from .rollout.continuous_batching import ContinuousBatchingRollout
 
         return ContinuousBatchingRollout(processing_class, args.transformers_continuous_batching_config)
-    return TransformersRollout(processing_class)
+    return TransformersRollout(tokenizer_of(processing_class))
 
 
 def check_vocabulary(model, tokenizer) -> None:
     """A tokenizer with more tokens than the model has embeddings would crash the forward on the first such id."""
+    tokenizer = tokenizer_of(tokenizer)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embeddings, "num_embeddings", None)
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
@@ -205,6 +220,10 @@ def check_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
             args.dataloader_num_workers = 0
     if eval_dataset is not None and not isinstance(eval_dataset, dict):
         check_dataset("eval_dataset", eval_dataset)
+    from .vision.images import check_images
+
+    for name, dataset in dataset_items(train_dataset, eval_dataset):
+        check_images(dataset, name=name)  # every image read once: a missing file is one line naming row and file
     if train_dataset is not None and hasattr(train_dataset, "__len__"):
         check_prompt_count(len(train_dataset), args.generation_batch_size // args.num_generations,
                            f"generation_batch_size {args.generation_batch_size} / num_generations "
@@ -282,8 +301,55 @@ def build_pipeline(model, processing_class, rewards: Rewards, args: GRPOConfig, 
                            multiturn=multiturn, rollout_func=rollout_func, rollout_func_owner=trainer)
     group_filter = None
     if args.dynamic_sampling:
-        group_filter = GroupFilter(train_dataset, order, args, rewards.weights, processing_class.pad_token_id,
+        group_filter = GroupFilter(train_dataset, order, args, rewards.weights, tokenizer_of(processing_class).pad_token_id,
                                    rank=args.process_index, world_size=args.world_size)
     finisher = BatchFinisher(args, rewards.names, rewards.weights,
                              reuses_batches=args.gradient_accumulation_steps % generate_every != 0)
     return RolloutPipeline(scorer, finisher, group_filter, order)
+
+
+def dataset_items(train_dataset, eval_dataset) -> list[tuple[str, object]]:
+    """``(name, dataset)`` of the training set and every evaluation set (a dict of them named by key)."""
+    items = [("train_dataset", train_dataset)]
+    if isinstance(eval_dataset, dict):
+        items += [(f"eval_dataset[{k!r}]", d) for k, d in eval_dataset.items()]
+    else:
+        items.append(("eval_dataset", eval_dataset))
+    return [(n, d) for n, d in items if d is not None]
+
+
+def setup_vision(model, processing_class, args: GRPOConfig, train_dataset, eval_dataset, *, rollout_func=None,
+                 peft_config=None) -> None:
+    """A vision-language model's setup, once the model and its processing class are known: datasets with images need
+    a VLM and its processor (one error line otherwise: the model would train on the text alone), and a generation
+    path that sends the images; ``ddp_find_unused_parameters`` on for a VLM (TRL's rule: a text-only batch leaves the
+    vision tower without gradients); ``freeze_vision`` freezes its vision tower and projector in full fine-tuning."""
+    from .data import is_iterable_dataset
+    from .vision.detection import check_vision_setup, is_processor, is_vlm
+    from .vision.images import image_column
+
+    for name, dataset in dataset_items(train_dataset, eval_dataset):
+        columns = getattr(dataset, "column_names", None)
+        if columns is None and not is_iterable_dataset(dataset) and hasattr(dataset, "__len__") and len(dataset):
+            columns = list(dataset[0]) if isinstance(dataset[0], dict) else None
+        has_images = image_column(columns) is not None
+        check_vision_setup(model, processing_class, has_images, dataset=name)
+        if has_images and rollout_func is not None:
+            raise ValueError(f"{name} has images, which rollout_func does not support (it returns token ids without "
+                             "the image tensors, so the model would train on the text alone); drop rollout_func or "
+                             "the image column")
+    if is_processor(processing_class):
+        if args.use_transformers_continuous_batching:
+            raise ValueError("use_transformers_continuous_batching=True is not supported with a vision-language "
+                             "model's processor (as in TRL); use the default generation or use_vllm=True")
+        grad_ckpt = args.gradient_checkpointing and (args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
+        if args.ddp_find_unused_parameters is None and not grad_ckpt:
+            args.ddp_find_unused_parameters = True
+    if args.freeze_vision:
+        if not is_vlm(model):
+            raise ValueError(f"freeze_vision=True is not allowed: {type(model).__name__} is not a vision-language "
+                             "model; leave it False")
+        if peft_config is None and not is_peft(model):
+            from .vision.adapters import freeze_vision
+
+            freeze_vision(model)

@@ -34,9 +34,10 @@ class RolloutDriver(Protocol):
 
     # -- the sampling half (any thread) ------------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 max_new_tokens: int | None = None) -> Generation:
+                 max_new_tokens: int | None = None, **images: Any) -> Generation:
         """One completion per row, sampled with the run's sampling settings (``max_new_tokens`` overrides the
-        completion budget: the tool loop's later turns)."""
+        completion budget: the tool loop's later turns). ``images``: for a batch with images only, ``vision`` (the
+        rows' :class:`grpokit.vision.VisionInputs`) and ``images`` (per row, its PIL images), for the backend."""
         ...
 
     def generation_batch(self) -> AbstractContextManager:
@@ -45,12 +46,13 @@ class RolloutDriver(Protocol):
 
     # -- the finishing half (the learner's thread) -------------------------------------------------------------------
     def policy_logps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                     completion_mask: torch.Tensor) -> torch.Tensor:
-        """(N, C) the current policy's log-probs of the completion tokens, without gradient."""
+                     completion_mask: torch.Tensor, vision=None) -> torch.Tensor:
+        """(N, C) the current policy's log-probs of the completion tokens, without gradient (``vision``: the rows'
+        image tensors, for a batch with images)."""
         ...
 
     def reference_logps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                        completion_mask: torch.Tensor) -> torch.Tensor:
+                        completion_mask: torch.Tensor, vision=None) -> torch.Tensor:
         """(N, C) the reference policy's log-probs of the completion tokens (``beta != 0``)."""
         ...
 

@@ -149,7 +149,7 @@ class GroupFilter:
         filled, fill = fill_with_informative_groups(
             first, lambda n: score(self.refill_rows(n)), g, self.reward_weights, a.dynamic_sampling_max_rounds,
             self.pad_id, any_rank_short, max_round_factor=a.dynamic_sampling_oversample, need=need,
-            on_round=None if skipper is None else lambda batch, keep: skipper.observe(batch.prompts, g, keep))
+            on_round=None if skipper is None else lambda batch, keep: skipper.observe(batch.prompts, g, keep, batch.images))
         self.last_keep_rate = fill.keep_rate
         stats.add("dynamic_sampling/filtered_frac", fill.dropped_groups / fill.generated_groups)
         stats.add("dynamic_sampling/rounds", float(fill.rounds))

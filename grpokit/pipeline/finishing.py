@@ -44,6 +44,7 @@ class BatchFinisher:
             num_items_in_batch=torch.zeros(()),
             sampler_logps=gen.sampler_logps.to(device) if gen.sampler_logps is not None else None,
             tool_mask=gen.tool_mask.to(device) if gen.tool_mask is not None else None,
+            vision=s.vision.to(device) if s.vision is not None else None,
         )
         batch.num_items_in_batch = driver.gather(batch.loss_mask.sum().reshape(1)).sum()
         if behaviour_logps is not None:
@@ -57,6 +58,8 @@ class BatchFinisher:
             "rewards": {name: rewards_local[:, k].tolist() for k, name in enumerate(self.reward_names)},
             "extra": s.extra_columns,
         }
+        if s.images is not None and a.log_multimodal:  # the completions table's image column (TRL's)
+            stats.samples["images"] = s.images
         return batch
 
     def _reduce_reward_logs(self, stats: RolloutStats, driver: RolloutDriver) -> None:
@@ -91,12 +94,13 @@ class BatchFinisher:
         ``beta != 0``; and the sampler/trainer mismatch ratio with its metrics."""
         a = self.args
         ids = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+        images = {} if batch.vision is None else {"vision": batch.vision}  # a driver without images never sees them
         with torch.no_grad():
             reused = mode == "train" and self.reuses_batches
             if batch.old_logps is None and (reused or batch.sampler_logps is not None):
-                batch.old_logps = driver.policy_logps(*ids)
+                batch.old_logps = driver.policy_logps(*ids, **images)
             if a.beta != 0.0:
-                batch.ref_logps = driver.reference_logps(*ids)
+                batch.ref_logps = driver.reference_logps(*ids, **images)
         if batch.sampler_logps is None or batch.old_logps is None:
             return
         if a.vllm_importance_sampling_correction:

@@ -212,8 +212,8 @@ class SamplerDriver:
         return self.learner.version
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 max_new_tokens: int | None = None) -> Generation:
-        return self.learner.generate_with(self.sampler, prompt_ids, prompt_mask, max_new_tokens)
+                 max_new_tokens: int | None = None, **images) -> Generation:
+        return self.learner.generate_with(self.sampler, prompt_ids, prompt_mask, max_new_tokens, **images)
 
     def generation_batch(self):
         return contextlib.nullcontext()
@@ -286,7 +286,8 @@ class AsyncRollouts:
                     self.sampler, samples.prompt_ids.to(device), samples.prompt_mask.to(device),
                     samples.generation.completion_ids.to(device), samples.generation.completion_mask.to(device),
                     temperature=self.args.temperature, compute_entropy=False,
-                    batch_size=self.args.per_device_train_batch_size)
+                    batch_size=self.args.per_device_train_batch_size,
+                    vision=samples.vision.to(device) if samples.vision is not None else None)
         return ProducedBatch(index=k, version=version, samples=samples, behaviour_logps=behaviour, stats=stats,
                              pipeline_state=copy.deepcopy(self.pipeline.sampling_state_dict()))
 

@@ -24,10 +24,20 @@ DRAW_STREAM_STRIDE = 1_000_003
 streams of draws never share a generator seed within the first million draws."""
 
 
-def prompt_key(prompt: Any) -> str:
-    """A short stable name for a prompt as the dataset holds it (its JSON, hashed): what the streaks are kept under."""
-    text = json.dumps(prompt, sort_keys=True, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+def prompt_key(prompt: Any, images: list | None = None) -> str:
+    """A short stable name for a prompt as the dataset holds it (its JSON, hashed) and its pictures (PIL images: their
+    pixels, hashed; the same question about another picture is another prompt): what the streaks are kept under."""
+    h = hashlib.blake2b(json.dumps(prompt, sort_keys=True, default=str).encode(), digest_size=8)
+    for image in images or []:
+        h.update(f"{image.mode}{image.size}".encode())
+        h.update(image.tobytes())
+    return h.hexdigest()
+
+
+def _row_key(row: dict) -> str:
+    from ..vision.images import row_images
+
+    return prompt_key(row.get("prompt"), row_images(row))
 
 
 class PromptSkipper:
@@ -46,7 +56,7 @@ class PromptSkipper:
     def keep(self, row: dict) -> bool:
         """Whether to generate ``row``'s prompt now (draws only for a prompt on a streak)."""
         self.considered += 1
-        p_skip = skip_probability(self.streaks.get(prompt_key(row.get("prompt")), 0), self.explore_prob)
+        p_skip = skip_probability(self.streaks.get(_row_key(row), 0), self.explore_prob)
         if p_skip <= 0.0:
             return True
         u = random.Random(self.seed * DRAW_STREAM_STRIDE + self.draws).random()
@@ -64,11 +74,11 @@ class PromptSkipper:
                 out += rows[i:i + group]
         return out
 
-    def observe(self, prompts: list, group: int, spread: list[bool]) -> None:
+    def observe(self, prompts: list, group: int, spread: list[bool], images: list | None = None) -> None:
         """Record groups just generated: ``prompts`` one per row (whole groups of ``group``), ``spread[j]`` whether
-        group ``j`` had reward spread."""
+        group ``j`` had reward spread; ``images``: per row, its prompt's PIL images (None: no row has one)."""
         for j, has_spread in enumerate(spread):
-            key = prompt_key(prompts[j * group])
+            key = prompt_key(prompts[j * group], images[j * group] if images is not None else None)
             self.streaks[key] = 0 if has_spread else self.streaks.get(key, 0) + 1
 
     def take_skipped_frac(self) -> float | None:

@@ -37,6 +37,8 @@ class RolloutScorer:
         self.limits = TurnLimits(self.eos_ids, args.max_completion_length, context_length(model))
         self.bounds = bounds if bounds is not None else CallBounds.from_config(args)
         """Time bounds on every call into user code, and the run's stop flag (grpokit/user_calls.py)."""
+        self.image_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        """The dtype a batch's pixel values are given to the model in (its weights')."""
 
     def __call__(self, rows: list[dict], driver: RolloutDriver, stats: RolloutStats) -> ScoredSamples:
         a = self.args
@@ -52,7 +54,8 @@ class RolloutScorer:
         s = sample_and_score(rows, self.processing_class, driver.generate, self.reward_funcs,
                              self.reward_processing_classes, chat_template_kwargs=a.chat_template_kwargs,
                              max_prompt_length=a.max_prompt_length, device=driver.device, reward_kwargs=reward_kwargs,
-                             multiturn=self.multiturn, limits=self.limits, first_turn=first_turn, bounds=self.bounds)
+                             multiturn=self.multiturn, limits=self.limits, first_turn=first_turn, bounds=self.bounds,
+                             dtype=self.image_dtype)
         for name, count in s.incidents.counts.items():  # timeouts, cut tool results
             stats.add(name, count)
         if s.tool_calls is not None:

@@ -84,10 +84,13 @@ def completions_frame(step: int, prompts: Sequence[Any], completions: Sequence[A
 
 
 def log_completions(samples: dict[str, Any], step: int, output_dir: str, *, max_rows: int, unique_prompts: bool,
-                    report_to: Sequence[str]) -> None:
+                    report_to: Sequence[str], tensorboard=None) -> None:
     """A batch's completions (:attr:`grpokit.pipeline.RolloutStats.samples`) as TRL logs them: a table in the terminal,
     ``output_dir/completions/completions_<step>.parquet``, and a ``completions`` table to wandb when it is a reporting
-    target (one row per prompt with ``unique_prompts``)."""
+    target (one row per prompt with ``unique_prompts``). Samples with ``images`` (a vision-language model's prompts,
+    ``log_multimodal``) add an ``image`` column to the wandb table (TRL's), and to ``tensorboard`` (the run's
+    ``SummaryWriter``, :func:`tensorboard_writer`) the pictures of the first ``max_rows`` rows' prompts with the table
+    as text."""
     import io
     import os
 
@@ -101,8 +104,47 @@ def log_completions(samples: dict[str, Any], step: int, output_dir: str, *, max_
     buffer = io.BytesIO()
     frame.to_parquet(buffer)
     atomic_write_bytes(os.path.join(output_dir, "completions", f"completions_{step:05d}.parquet"), buffer.getvalue())
+    images = s.get("images")
     if "wandb" in (report_to or []):
         import wandb
 
         if wandb.run is not None:
-            wandb.log({"completions": wandb.Table(dataframe=frame)})
+            table = with_images(frame, images, wandb.Image) if images else frame
+            wandb.log({"completions": wandb.Table(dataframe=table)})
+    if tensorboard is not None and images:
+        tensorboard_images(frame.head(max_rows), images, step, tensorboard)
+
+
+def tensorboard_writer(callbacks: Sequence[Any]):
+    """The ``SummaryWriter`` of transformers' tensorboard callback among ``callbacks`` (None without one, or before
+    it opened its writer)."""
+    from transformers.integrations import TensorBoardCallback
+
+    return next((getattr(c, "tb_writer", None) for c in callbacks if isinstance(c, TensorBoardCallback)), None)
+
+
+def with_images(frame, images: Sequence[Sequence[Any]], image_cls):
+    """``frame`` with an ``image`` column: each row's prompt images as ``image_cls`` values (``wandb.Image``), in
+    the rows ``frame`` kept (its index: the samples' row numbers)."""
+    column = [[image_cls(img) for img in (images[i] or [])] for i in frame.index]
+    return frame.assign(image=column)
+
+
+def tensorboard_images(frame, images: Sequence[Sequence[Any]], step: int, writer) -> int:
+    """The prompt images of ``frame``'s rows into tensorboard's ``writer`` (``completions/image/<row>_<k>``), each
+    distinct picture once, and the rows as text (``completions``). Returns how many images were written."""
+    import numpy as np
+
+    written, seen = 0, set()
+    for i in frame.index:
+        for k, image in enumerate(images[i] or []):
+            if id(image) in seen:  # the rows of a group share their prompt's pictures
+                continue
+            seen.add(id(image))
+            writer.add_image(f"completions/image/{i}_{k}", np.asarray(image.convert("RGB")), step,
+                             dataformats="HWC")
+            written += 1
+    text = frame.drop(columns=["step"]).to_string(max_colwidth=200)
+    writer.add_text("completions", "\n".join("    " + line for line in text.splitlines()), step)  # markdown code
+    writer.flush()
+    return written

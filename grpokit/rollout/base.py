@@ -86,7 +86,9 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -
 
 
 def stop_token_ids(model: torch.nn.Module | None, tokenizer) -> list[int]:
-    """Every token that ends a completion: the tokenizer's EOS and the model's (generation config and config)."""
+    """Every token that ends a completion: the tokenizer's EOS and the model's (generation config and config).
+    ``tokenizer`` may be a processor (its tokenizer's EOS)."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     ids: list[int] = []
     for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
         eos = getattr(source, "eos_token_id", None)

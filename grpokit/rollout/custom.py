@@ -47,6 +47,7 @@ def call_rollout_func(rollout_func: Callable, prompts: list, trainer, tokenizer,
     for key in ("prompt_ids", "completion_ids"):
         if len(out[key]) != n:
             raise ValueError(f"rollout_func returned {len(out[key])} {key} for {n} prompts; expected one per prompt")
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
     prompt_rows = [list(map(int, p)) for p in out["prompt_ids"]]
     completion_rows = [list(map(int, c)) for c in out["completion_ids"]]
     pad = tokenizer.pad_token_id

@@ -13,6 +13,10 @@ import torch
 from ..data import is_conversational, prompt_text, tokenize_prompts
 from ..rewards.scoring import score_completions
 from ..user_calls import CallBounds, CallTimeout, Incidents, call
+from ..vision.detection import is_processor
+from ..vision.encoding import encode_batch, tokenizer_of
+from ..vision.inputs import VisionInputs
+from ..vision.messages import place_images
 from ..watchdog import stage
 from .base import Generation
 
@@ -45,6 +49,10 @@ class ScoredSamples:
     incidents: Incidents = field(default_factory=Incidents)
     """Timeouts and cut tool results while these samples were made (counters to log), and the cause of a stop the
     run must make (:mod:`grpokit.user_calls`)."""
+    vision: VisionInputs | None = None
+    """The prompts' image tensors (a vision-language model's batch with images), one row per row; None for text."""
+    images: list[list] | None = None
+    """Per row, its prompt's PIL images (for the completions table); None when no row has one."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -68,7 +76,8 @@ class ScoredSamples:
                              completion_texts=pick(self.completion_texts), completions=pick(self.completions),
                              completion_id_lists=pick(self.completion_id_lists), rewards=take(self.rewards),
                              n_truncated_prompts=0, extra_columns={k: pick(v) for k, v in self.extra_columns.items()},
-                             incidents=self.incidents)
+                             incidents=self.incidents, vision=self.vision.select(rows) if self.vision is not None else None,
+                             images=pick(self.images) if self.images is not None else None)
 
     @staticmethod
     def concat(parts: list[ScoredSamples], pad_id: int) -> ScoredSamples:
@@ -96,6 +105,10 @@ class ScoredSamples:
         incidents = Incidents()
         for p in parts:
             incidents.merge(p.incidents)
+        vision = VisionInputs.cat([p.vision for p in parts], [len(p) for p in parts])
+        images = None
+        if any(p.images is not None for p in parts):
+            images = [x for p in parts for x in (p.images if p.images is not None else [[]] * len(p))]
         return ScoredSamples(prompts=cat("prompts"), prompt_texts=cat("prompt_texts"),
                              prompt_ids=_cat_padded([p.prompt_ids for p in parts], pad_id, left=True),
                              prompt_mask=_cat_padded([p.prompt_mask for p in parts], 0, left=True), generation=gen,
@@ -103,7 +116,7 @@ class ScoredSamples:
                              completion_id_lists=cat("completion_id_lists"),
                              rewards=torch.cat([p.rewards for p in parts]),
                              n_truncated_prompts=sum(p.n_truncated_prompts for p in parts), extra_columns=extra,
-                             incidents=incidents)
+                             incidents=incidents, vision=vision, images=images)
 
 
 def _cat_padded(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
@@ -121,14 +134,41 @@ class PreparedPrompts:
     ids: torch.Tensor
     mask: torch.Tensor
     n_truncated: int
+    vision: VisionInputs | None = None
+    """The rows' image tensors (a vision-language model's batch with images); None for text."""
+    images: list[list] | None = None
+    """Per row, its PIL images; None when no row of the batch has one."""
+
+    @property
+    def reward_prompts(self) -> list:
+        """The prompts as reward functions receive them: conversational prompts of a batch with images hold their
+        images in their image parts (TRL's ``prepare_multimodal_messages``)."""
+        if self.images is None:
+            return self.prompts
+        return [place_images(p, imgs) if is_conversational(p) else p for p, imgs in zip(self.prompts, self.images)]
+
+    def generation_kwargs(self) -> dict:
+        """What a generation call gets besides the ids: the image tensors and images, only for a batch with images
+        (backends without image support, and test fakes, never see them otherwise)."""
+        return {} if self.vision is None else {"vision": self.vision, "images": self.images}
 
 
 def prepare_prompts(rows: list[dict], tokenizer, *, chat_template_kwargs: dict | None = None,
                     max_prompt_length: int | None = None, device: torch.device | str | None = None,
-                    tools_per_row: list[list] | None = None) -> PreparedPrompts:
+                    tools_per_row: list[list] | None = None, dtype: torch.dtype | None = None) -> PreparedPrompts:
     """The rows' prompts through the chat template (with each row's tools, when given), tokenised, left-padded and
-    left-truncated to ``max_prompt_length``."""
+    left-truncated to ``max_prompt_length``. A vision-language model's processor (``tokenizer``) encodes the rows
+    with their images (:func:`grpokit.vision.encode_batch`: each group once, a cut into an image refused); the
+    image tensors go to ``device`` with their floating-point values in ``dtype`` (the model's)."""
     prompts = [r["prompt"] for r in rows]
+    if is_processor(tokenizer):
+        enc = encode_batch(tokenizer, rows, tools_per_row=tools_per_row, max_prompt_length=max_prompt_length,
+                           chat_template_kwargs=chat_template_kwargs)
+        ids, mask = (enc.prompt_ids, enc.prompt_mask) if device is None else (enc.prompt_ids.to(device),
+                                                                              enc.prompt_mask.to(device))
+        vision = enc.vision.to(device, dtype) if enc.vision is not None else None
+        return PreparedPrompts(prompts=prompts, texts=enc.texts, ids=ids, mask=mask, n_truncated=enc.truncated,
+                               vision=vision, images=enc.images if vision is not None else None)
     conversational = [is_conversational(p) for p in prompts]
     texts = [prompt_text(p, tokenizer, chat_template_kwargs, tools=tools_per_row[i] if tools_per_row else None)
              for i, p in enumerate(prompts)]
@@ -148,21 +188,22 @@ def score_generation(rows: list[dict], prepared: PreparedPrompts, generation: Ge
     counted into ``incidents`` (the samples' own)."""
     incidents = incidents if incidents is not None else Incidents()
     id_lists = [row[m.bool()].tolist() for row, m in zip(generation.completion_ids, generation.completion_mask)]
-    decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
+    decoded = tokenizer_of(tokenizer).batch_decode(id_lists, skip_special_tokens=True)
     if generation.messages is not None:
         completions = generation.messages
     else:
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for t, p in zip(decoded, prepared.prompts)]
     rewards = score_completions(
-        reward_funcs, reward_processing_classes or [None] * len(reward_funcs), prompts=prepared.prompts,
+        reward_funcs, reward_processing_classes or [None] * len(reward_funcs), prompts=prepared.reward_prompts,
         completions=completions, completion_ids=id_lists, rows=rows, bounds=bounds, incidents=incidents,
         **(reward_kwargs or {}),
     )
     return ScoredSamples(prompts=prepared.prompts, prompt_texts=prepared.texts, prompt_ids=prepared.ids,
                          prompt_mask=prepared.mask, generation=generation, completion_texts=decoded,
                          completions=completions, completion_id_lists=id_lists, rewards=rewards,
-                         n_truncated_prompts=prepared.n_truncated, incidents=incidents)
+                         n_truncated_prompts=prepared.n_truncated, incidents=incidents, vision=prepared.vision,
+                         images=prepared.images)
 
 
 def sample_and_score(
@@ -180,9 +221,12 @@ def sample_and_score(
     limits=None,
     first_turn: Callable | None = None,
     bounds: CallBounds | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ScoredSamples:
     """One completion per row, scored: :func:`prepare_prompts`, ``generate(prompt_ids, prompt_mask,
-    max_new_tokens=None)``, then :func:`score_generation`.
+    max_new_tokens=None)``, then :func:`score_generation`. A batch with images (a vision-language model's processor
+    as ``tokenizer``) also passes ``vision=`` (the image tensors, floating-point values in ``dtype``) and ``images=``
+    to ``generate``, every turn.
 
     With ``multiturn`` (a :class:`grpokit.tools.MultiTurn`; ``limits`` its :class:`grpokit.tools.TurnLimits`) every
     row first gets its environment (reset with the row) and its tools in the prompt, and replies that call tools
@@ -203,18 +247,18 @@ def sample_and_score(
             reward_kwargs["environments"] = session.environments
     tools_per_row = session.tools_per_row if session is not None else None
     prompt_args = dict(chat_template_kwargs=chat_template_kwargs, max_prompt_length=max_prompt_length, device=device,
-                       tools_per_row=tools_per_row)
+                       tools_per_row=tools_per_row, dtype=dtype)
     if first_turn is not None:
         prepared, generation, rows = _first_turn(first_turn, rows, tools_per_row, tokenizer, prompt_args, bounds,
                                                  incidents)
     else:
         prepared = prepare_prompts(rows, tokenizer, **prompt_args)
         with stage("generation"):
-            generation = generate(prepared.ids, prepared.mask)
+            generation = generate(prepared.ids, prepared.mask, **prepared.generation_kwargs())
     calls = failures = None
     if session is not None and multiturn.has_tools:
         turns = multiturn.loop(generate, prepared.ids, prepared.mask, generation, session, tokenizer, limits, bounds,
-                               incidents)
+                               incidents, vision=prepared.vision, images=prepared.images)
         generation, calls, failures = turns.generation, turns.calls, turns.failures
     scored = score_generation(rows, prepared, generation, tokenizer, reward_funcs, reward_processing_classes,
                               reward_kwargs=reward_kwargs, bounds=bounds, incidents=incidents)
@@ -239,7 +283,8 @@ def _first_turn(first_turn: Callable, rows: list[dict], tools_per_row, tokenizer
             logger.error("grpokit: %s; the run stops after this batch (nothing to train on)", e)
     prepared = prepare_prompts(rows, tokenizer, **prompt_args)
     n = len(rows)
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id
+    tok = tokenizer_of(tokenizer)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
     generation = Generation(completion_ids=torch.full((n, 1), eos, dtype=torch.long),
                             completion_mask=torch.ones((n, 1), dtype=torch.long),
                             is_truncated=torch.zeros(n, dtype=torch.bool))

@@ -21,6 +21,7 @@ import torch
 
 from ..rollout.base import Generation
 from ..user_calls import CallBounds, Incidents
+from ..vision.encoding import tokenizer_of
 from ..watchdog import stage
 from .execution import ToolResult, run_calls, tool_message
 from .parsing import ParsedTurn, parse_turn
@@ -58,7 +59,7 @@ def _valid(ids: torch.Tensor, mask: torch.Tensor, logps: torch.Tensor | None) ->
 
 def _parse(tokens: list[int], tokenizer, style: str, eos_ids: set[int]) -> tuple[ParsedTurn, bool]:
     """The reply's message and whether it asks for tools (only a finished reply, ending with EOS, does)."""
-    parsed = parse_turn(tokenizer.decode(tokens, skip_special_tokens=True), style)
+    parsed = parse_turn(tokenizer_of(tokenizer).decode(tokens, skip_special_tokens=True), style)
     finished = bool(tokens) and tokens[-1] in eos_ids
     return parsed, finished and bool(parsed.calls)
 
@@ -79,11 +80,17 @@ def run_tool_loop(
     bounds: CallBounds | None = None,
     incidents: Incidents | None = None,
     environments: list | None = None,
+    *,
+    vision=None,
+    images: list | None = None,
 ) -> ToolRollouts:
     """Run the loop on ``first`` (the first replies). ``generate(ids, mask, max_new_tokens)`` samples one reply per
-    row of left-padded prompts. ``bounds`` (default: :class:`grpokit.user_calls.CallBounds`' defaults) bound each
-    call and result; timeouts and cut results are counted into ``incidents``. ``environments``: each row's
-    environment instance (calls on one are refused while an abandoned one runs)."""
+    row of left-padded prompts; with ``vision`` (the prompts' image tensors, :class:`grpokit.vision.VisionInputs`)
+    it also gets the continuing rows' ``vision=`` (their token tensors extended over the turns so far) and
+    ``images=``. Images returned by tools are not supported (tool results are text). ``bounds`` (default:
+    :class:`grpokit.user_calls.CallBounds`' defaults) bound each call and result; timeouts and cut results are
+    counted into ``incidents``. ``environments``: each row's environment instance (calls on one are refused while
+    an abandoned one runs)."""
     bounds = bounds or CallBounds()
     incidents = incidents if incidents is not None else Incidents()
     eos = set(eos_ids)
@@ -117,8 +124,9 @@ def run_tool_loop(
             continuing.append(i)
         rounds += 1
         if continuing:
-            _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, max_completion_length)
-    generation = _pack(rollouts, tokenizer.pad_token_id, eos)
+            _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, max_completion_length,
+                      _turn_images(vision, images, rollouts, continuing, suffixes))
+    generation = _pack(rollouts, tokenizer_of(tokenizer).pad_token_id, eos)
     generation.messages = [r.messages for r in rollouts]
     return ToolRollouts(generation=generation, messages=generation.messages, calls=n_calls, failures=n_failures)
 
@@ -132,18 +140,28 @@ def _count(results: list[ToolResult], incidents: Incidents) -> None:
             incidents.count("tools/truncated_total", res.cut)
 
 
-def _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, max_completion_length) -> None:
+def _turn_images(vision, images, rollouts, continuing, suffixes) -> dict:
+    """The continuing rows' image tensors and images for their next turn (nothing without images)."""
+    if vision is None:
+        return {}
+    grown = [len(rollouts[i].tokens) + len(suffixes[i][0]) for i in continuing]
+    return {"vision": vision.select(continuing).extend_tokens(grown),
+            "images": [images[i] for i in continuing] if images is not None else None}
+
+
+def _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, max_completion_length,
+              image_kwargs: dict) -> None:
     """Generate the next reply of every continuing rollout and append the tool turn and the reply."""
     prompts = [rollouts[i].prompt + rollouts[i].tokens + suffixes[i][0] for i in continuing]
     budgets = [max_completion_length - len(rollouts[i].tokens) - len(suffixes[i][0]) for i in continuing]
     width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(prompts), width), tokenizer_of(tokenizer).pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for j, p in enumerate(prompts):
         ids[j, width - len(p):] = torch.tensor(p)
         mask[j, width - len(p):] = 1
     with stage("generation", turn="after tool results"):
-        out = generate(ids, mask, max(budgets))
+        out = generate(ids, mask, max(budgets), **image_kwargs)
     for j, (tokens, lp) in enumerate(_valid(out.completion_ids, out.completion_mask, out.sampler_logps)):
         i = continuing[j]
         r = rollouts[i]

@@ -47,11 +47,23 @@ def _probe_conversation() -> list[dict[str, Any]]:
             {"role": "tool", "name": _PROBE_NAME, "content": _PROBE_RESULT}]
 
 
+def text_renderer(processing_class) -> tuple[Any, dict[str, Any]]:
+    """What renders text-only chat turns (tool calls and results): a tokenizer, or a vision-language model's
+    processor's tokenizer with the processor's chat template (``(tokenizer, extra apply_chat_template kwargs)``)."""
+    tokenizer = getattr(processing_class, "tokenizer", None)
+    if tokenizer is None:
+        return processing_class, {}
+    template = getattr(processing_class, "chat_template", None)
+    return tokenizer, ({"chat_template": template} if template else {})
+
+
 def supports_tool_calls(tokenizer, chat_template_kwargs: dict | None = None) -> bool:
-    """Whether the tokenizer's chat template renders a user → assistant tool call → tool result conversation with
-    the call's name, argument and value and the result all in the text."""
+    """Whether the tokenizer's chat template (a processor's: :func:`text_renderer`) renders a user → assistant tool
+    call → tool result conversation with the call's name, argument and value and the result all in the text."""
+    tokenizer, extra = text_renderer(tokenizer)
     try:
-        text = tokenizer.apply_chat_template(_probe_conversation(), tokenize=False, **(chat_template_kwargs or {}))
+        text = tokenizer.apply_chat_template(_probe_conversation(), tokenize=False,
+                                             **{**extra, **(chat_template_kwargs or {})})
     except Exception:  # noqa: BLE001 - a template that cannot render it does not support it
         return False
     return all(s in text for s in (_PROBE_NAME, _PROBE_ARG, _PROBE_VALUE, _PROBE_RESULT))
@@ -65,9 +77,9 @@ class ToolTurnTokens:
     tool turn is appended cannot be used this way: that is an error naming it."""
 
     def __init__(self, tokenizer, eos_ids: list[int], chat_template_kwargs: dict | None = None):
-        self.tokenizer = tokenizer
+        self.tokenizer, extra = text_renderer(tokenizer)  # a processor's template, through its tokenizer
         self.eos_ids = set(eos_ids)
-        self.kwargs = dict(chat_template_kwargs or {})
+        self.kwargs = {**extra, **(chat_template_kwargs or {})}
 
     def _ids(self, messages, generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,

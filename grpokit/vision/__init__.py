@@ -14,7 +14,7 @@ from .detection import (
     is_vlm_config,
     vlm_family,
 )
-from .encoding import EncodedPrompts, encode_prompts, encode_rows, tokenizer_of
+from .encoding import EncodedPrompts, encode_batch, encode_prompts, encode_rows, tokenizer_of
 from .images import IMAGE_COLUMNS, batch_images, check_images, image_column, row_images, to_pil
 from .inputs import VisionInputs
 from .loading import load_processor, load_vlm, processor_without_video
@@ -28,6 +28,7 @@ __all__ = [
     "batch_images",
     "check_images",
     "check_vision_setup",
+    "encode_batch",
     "encode_prompts",
     "encode_rows",
     "freeze_vision",

@@ -38,6 +38,8 @@ class EncodedPrompts:
     """Per prompt, its PIL images in order (for reward functions and logs)."""
     truncated: int = 0
     """How many prompts ``max_prompt_length`` cut."""
+    texts: list[str] | None = None
+    """Per prompt, its text as the processor received it (the chat template applied, image markers unexpanded)."""
 
     def select(self, rows: Sequence[int]) -> EncodedPrompts:
         rows = [int(r) for r in rows]
@@ -45,7 +47,8 @@ class EncodedPrompts:
         return replace(self, prompt_ids=self.prompt_ids.index_select(0, index),
                        prompt_mask=self.prompt_mask.index_select(0, index),
                        vision=self.vision.select(rows) if self.vision is not None else None,
-                       images=[self.images[r] for r in rows])
+                       images=[self.images[r] for r in rows],
+                       texts=[self.texts[r] for r in rows] if self.texts is not None else None)
 
     def repeat_interleave(self, g: int) -> EncodedPrompts:
         """Every prompt ``g`` times in a row (its group); the processor ran once per prompt."""
@@ -128,6 +131,37 @@ def _truncate(ids: list[int], keep: int, vision: VisionInputs | None, row: int, 
     return ids[cut:], vision
 
 
+def _encode_one(processor, prompt: Any, images: list, row: int, *, max_prompt_length: int | None,
+                chat_template: str | None, chat_template_kwargs: dict | None, tools: list | None,
+                image_ids: set[int], special_ids: set[int]) -> tuple[list[int], VisionInputs | None, list, bool, str]:
+    """One prompt: ``(ids, image tensors or None, its images, whether max_prompt_length cut it, its text)``."""
+    text, imgs, conv = _render(processor, prompt, images, row, chat_template, chat_template_kwargs, tools)
+    out = processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt", add_special_tokens=not conv)
+    ids = out["input_ids"][0].tolist()
+    vision = VisionInputs.from_processor_output(out, [len(imgs)]) if imgs else None
+    if max_prompt_length is not None and len(ids) > max_prompt_length:
+        ids, vision = _truncate(ids, max_prompt_length, vision, row, image_ids, special_ids)
+        return ids, vision, imgs, True, text
+    return ids, vision, imgs, False, text
+
+
+def _left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def _token_sets(processor) -> tuple[int, set[int], set[int]]:
+    tok = tokenizer_of(processor)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return pad_id, processor_image_token_ids(processor), set(tok.all_special_ids)
+
+
 def encode_prompts(
     processor: Any,
     prompts: Sequence[Any],
@@ -141,33 +175,83 @@ def encode_prompts(
 ) -> EncodedPrompts:
     """Encode ``prompts`` (with ``images[i]`` for prompt ``i``: PIL images, or None) for the model of ``processor``
     (see the module docstring). ``first_row`` numbers the rows in error messages (the dataset row of prompt 0)."""
-    tok = tokenizer_of(processor)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    image_ids, special_ids = processor_image_token_ids(processor), set(tok.all_special_ids)
+    pad_id, image_ids, special_ids = _token_sets(processor)
     images = list(images) if images is not None else [None] * len(prompts)
     if len(images) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
-    rows, parts, row_images, truncated = [], [], [], 0
+    rows, parts, row_images, truncated, texts = [], [], [], 0, []
     for i, (prompt, imgs) in enumerate(zip(prompts, images)):
-        row = first_row + i
-        text, imgs, conv = _render(processor, prompt, list(imgs or []), row, chat_template, chat_template_kwargs, tools)
-        out = processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt", add_special_tokens=not conv)
-        ids = out["input_ids"][0].tolist()
-        vision = VisionInputs.from_processor_output(out, [len(imgs)]) if imgs else None
-        if max_prompt_length is not None and len(ids) > max_prompt_length:
-            ids, vision = _truncate(ids, max_prompt_length, vision, row, image_ids, special_ids)
-            truncated += 1
+        ids, vision, imgs, cut, text = _encode_one(processor, prompt, list(imgs or []), first_row + i,
+                                             max_prompt_length=max_prompt_length, chat_template=chat_template,
+                                             chat_template_kwargs=chat_template_kwargs, tools=tools,
+                                             image_ids=image_ids, special_ids=special_ids)
         rows.append(ids)
         parts.append(vision)
         row_images.append(imgs)
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
-    return EncodedPrompts(ids, mask, VisionInputs.cat(parts, [1] * len(parts)), row_images, truncated)
+        truncated += cut
+        texts.append(text)
+    ids, mask = _left_padded(rows, pad_id)
+    return EncodedPrompts(ids, mask, VisionInputs.cat(parts, [1] * len(parts)), row_images, truncated, texts)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two dataset values are the same (images: the same file name, bytes or pixels)."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except (ValueError, TypeError):  # arrays: element-wise comparison
+        return False
+
+
+def row_runs(rows: Sequence[dict], tools_per_row: Sequence[Sequence] | None = None) -> list[int]:
+    """For each row, the index of the first row of its run: consecutive rows with the same prompt, the same images
+    and the same tools (the ``G`` rows of a group) are one prompt, encoded once."""
+    from .images import image_column
+
+    firsts: list[int] = []
+    for i, row in enumerate(rows):
+        if i:
+            prev = rows[firsts[-1]]
+            column = image_column(list(row))
+            same = (column == image_column(list(prev)) and _same_value(row.get("prompt"), prev.get("prompt"))
+                    and (column is None or _same_value(row.get(column), prev.get(column))))
+            if same and tools_per_row is not None:
+                same = [t.__name__ for t in tools_per_row[i]] == [t.__name__ for t in tools_per_row[firsts[-1]]]
+            if same:
+                firsts.append(firsts[-1])
+                continue
+        firsts.append(i)
+    return firsts
+
+
+def encode_batch(processor: Any, rows: Sequence[dict], *, tools_per_row: Sequence[Sequence] | None = None,
+                 max_prompt_length: int | None = None, chat_template: str | None = None,
+                 chat_template_kwargs: dict | None = None, base_dir: Any = None) -> EncodedPrompts:
+    """A generation batch's rows (each with a ``prompt`` and its ``image`` / ``images``) encoded through the processor:
+    each run of identical consecutive rows (:func:`row_runs`: a group) read and encoded once, its image tensors then
+    repeated for its rows. ``tools_per_row``: each row's tools (rendered into its prompt by the chat template). Errors
+    name the row of the batch."""
+    from .images import row_images
+
+    pad_id, image_ids, special_ids = _token_sets(processor)
+    firsts = row_runs(rows, tools_per_row)
+    starts = sorted(set(firsts))
+    encoded: dict[int, tuple] = {}
+    for i in starts:
+        imgs = row_images(rows[i], row_index=i, base_dir=base_dir) or []
+        encoded[i] = _encode_one(processor, rows[i]["prompt"], imgs, i, max_prompt_length=max_prompt_length,
+                                 chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                 tools=tools_per_row[i] if tools_per_row is not None else None,
+                                 image_ids=image_ids, special_ids=special_ids)
+    ids, mask = _left_padded([encoded[i][0] for i in starts], pad_id)
+    vision = VisionInputs.cat([encoded[i][1] for i in starts], [1] * len(starts))
+    unique = EncodedPrompts(ids, mask, vision, [encoded[i][2] for i in starts],
+                            sum(encoded[i][3] for i in starts), [encoded[i][4] for i in starts])
+    position = {start: k for k, start in enumerate(starts)}
+    out = unique.select([position[f] for f in firsts])
+    out.truncated = sum(encoded[f][3] for f in firsts)
+    return out
 
 
 def encode_rows(processor: Any, rows: Sequence[dict], *, group_size: int = 1, max_prompt_length: int | None = None,

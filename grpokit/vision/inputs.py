@@ -221,6 +221,40 @@ class VisionInputs:
         return VisionInputs(tensors, dict(self.units), list(self.images_per_row),
                             None if self.patches_per_image is None else list(self.patches_per_image), self.token_width)
 
+    def extend_tokens(self, extra: Sequence[int]) -> VisionInputs:
+        """The same prompts continued by ``extra[i]`` more tokens each (a multi-turn rollout's next prompt: the prompt,
+        the completion so far and a tool turn): the ``"token"`` tensors get that many zeros after each row's prompt
+        (text), and stay right-aligned."""
+        if len(extra) != self.rows:
+            raise ValueError(f"VisionInputs: {len(extra)} extensions for {self.rows} prompts")
+        most = max(extra, default=0)
+        tensors = dict(self.tensors)
+        for key, unit in self.units.items():
+            if unit == "token":
+                t = self.tensors[key]
+                tensors[key] = torch.stack([torch.cat([t.new_zeros(most - k), row, t.new_zeros(k)])
+                                            for row, k in zip(t, extra)]) if self.rows else t
+        return VisionInputs(tensors, dict(self.units), list(self.images_per_row),
+                            None if self.patches_per_image is None else list(self.patches_per_image),
+                            self.token_width + most)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def layout(self) -> dict:
+        """What :meth:`from_layout` needs besides the tensors (JSON values): units and counts."""
+        return {"units": dict(self.units), "images_per_row": list(self.images_per_row),
+                "patches_per_image": None if self.patches_per_image is None else list(self.patches_per_image),
+                "token_width": self.token_width}
+
+    @classmethod
+    def from_layout(cls, tensors: Mapping[str, torch.Tensor], layout: Mapping) -> VisionInputs:
+        """The inverse of :meth:`layout` with the tensors; a layout that does not describe them is a ``ValueError``."""
+        patches = layout.get("patches_per_image")
+        inputs = cls(dict(tensors), {str(k): str(v) for k, v in layout["units"].items()},
+                     [int(n) for n in layout["images_per_row"]], None if patches is None else [int(n) for n in patches],
+                     int(layout.get("token_width", 0)))
+        inputs._check(inputs.rows)
+        return inputs
+
     # -- forwards ------------------------------------------------------------------------------------------------
     def fit_tokens(self, prompt_width: int, completion_width: int = 0) -> dict[str, torch.Tensor]:
         """The ``"token"`` tensors for prompts left-padded to ``prompt_width`` (padded with zeros or cut on the

@@ -100,3 +100,26 @@ def test_to_casts_only_floating_tensors():
 def test_units_must_describe_the_tensors():
     with pytest.raises(ValueError, match="do not describe"):
         VisionInputs({"pixel_values": torch.zeros(1)}, {"pixel_values": "pixels"}, [1])
+
+
+def test_extend_tokens_appends_text_after_each_prompt():
+    v = _qwen_like()  # token types right-aligned, width 4
+    e = v.extend_tokens([2, 0, 1])
+    assert e.token_width == 6
+    # row 0's prompt is followed by 2 text tokens, row 1's by none, row 2's by one: still right-aligned
+    assert e.tensors["mm_token_type_ids"].tolist() == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0]]
+    assert torch.equal(e.tensors["pixel_values"], v.tensors["pixel_values"]) and e.images_per_row == v.images_per_row
+    # fitted to a continued prompt of width 7 and a completion of 2: the image tokens sit where the ids put them
+    assert e.fit_tokens(7, 2)["mm_token_type_ids"][0].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="2 extensions for 3 prompts"):
+        v.extend_tokens([1, 1])
+
+
+def test_layout_and_tensors_give_the_inputs_back():
+    v = _qwen_like().select([2, 1, 1])
+    back = VisionInputs.from_layout(dict(v.tensors), v.layout())
+    assert back.units == v.units and back.images_per_row == v.images_per_row
+    assert back.patches_per_image == v.patches_per_image and back.token_width == v.token_width
+    assert all(torch.equal(back.tensors[k], t) for k, t in v.tensors.items())
+    with pytest.raises(ValueError, match="expected"):
+        VisionInputs.from_layout(dict(v.tensors), {**v.layout(), "images_per_row": [1, 1, 1]})

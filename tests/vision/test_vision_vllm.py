@@ -6,8 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from PIL import Image
-from tiny_vlm import shared_tiny_vlm
+from tiny_vlm import shared_tiny_vlm, tiny_vlm
 
 from grpokit.config import GRPOConfig
 from grpokit.rollout.base import SamplingParams
@@ -95,3 +96,35 @@ def test_server_places_image_features_at_each_prompts_image_tokens(tmp_path):
     with pytest.raises(ValueError, match="needs the model's processor"):
         place_image_features({"mm_placeholders": {"image": [{}]}}, [4], None)
     assert place_image_features(None, [1, 2], 4) is None
+
+
+def test_the_trainer_sends_each_rows_pictures_to_the_engine(tmp_path):
+    """Through GRPOTrainer (use_vllm, colocate): the generation batch's rows go to the engine with their images, and
+    the batch the loss takes holds the image tensors its old log-probs (the mismatch correction's) were taken with."""
+    from datasets import Dataset
+
+    from grpokit import GRPOTrainer
+
+    model, processor = tiny_vlm("qwen2_vl")
+    llm = FakeLLM()
+    args = _args(tmp_path, "colocate")
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "One?"}], [{"role": "user", "content": "Two?"}]],
+                              "image": [RED, BLUE]})
+    trainer = GRPOTrainer(model, lambda completions, **kw: [1.0] * len(completions), args=args, train_dataset=data,
+                          processing_class=processor,
+                          rollout_backend=VLLMRollout("unused", processor, args, llm=llm, sampling_params_cls=dict))
+    rows = [data[0], data[0], data[1], data[1]]
+    batch, _ = trainer.pipeline.next_batch(rows, trainer.driver)
+    sent = [r["multi_modal_data"]["image"] for r in llm.requests[0]]
+    assert [img.size for img in sent] == [RED.size, RED.size, BLUE.size, BLUE.size]
+    assert batch.vision is not None and batch.vision.images_per_row == [1, 1, 1, 1]
+    assert batch.sampler_logps is not None and batch.old_logps is not None
+    from grpokit.logprobs import completion_logps
+
+    with torch.no_grad():
+        blind, _ = completion_logps(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                    batch.completion_mask)
+        seeing, _ = completion_logps(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                     batch.completion_mask, vision=batch.vision)
+    torch.testing.assert_close(batch.old_logps, seeing)  # the old log-probs were taken with the pictures
+    assert not torch.allclose(batch.old_logps, blind)
