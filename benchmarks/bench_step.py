@@ -8,7 +8,8 @@ checkpointing, loss dapo, beta 0, the same seed, weights and prompts (no shuffli
     python benchmarks/bench_step.py --child grpokit --steps 4   # one side, prints JSON
     python benchmarks/bench_step.py --lora --dtype bfloat16     # the demo's setting: LoRA r16 on bf16 weights
 
-Per step it records wall time and where it went: ``generate`` (the model's ``generate``), ``forward`` (the
+Per step it records wall time and where it went: ``generate`` (TRL: the model's ``generate``; grpokit: its rollout
+backend's ``generate``, prefill, LoRA merge and weight packing included), ``forward`` (the
 trainer's ``compute_loss``: log-probs + loss), ``backward`` (``accelerator.backward``) and ``rest`` (rewards,
 tokenising, optimizer, bookkeeping). The first step is warm-up and not counted. ``GRPOKIT_SRC`` points the
 grpokit child at another checkout (e.g. the code before a change) to compare rewards and profiles.
@@ -80,8 +81,12 @@ def child(side: str, steps: int, seed: int, threads: int = 0, lora: bool = False
                 spent[key] += time.perf_counter() - t0
         return wrapper
 
-    cls = type(model)
-    cls.generate = timed("generate", cls.generate)
+    if side == "trl":  # the model's generate
+        cls = type(model)
+        cls.generate = timed("generate", cls.generate)
+    else:  # the rollout backend's (grpokit's decode loop does not call the model's generate)
+        cls = type(trainer.rollout)
+        cls.generate = timed("generate", cls.generate)
     trainer.compute_loss = timed("forward", trainer.compute_loss)
     trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
 
