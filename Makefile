@@ -23,8 +23,12 @@ install-test: install
 demo: install
 	$(PY) -m grpokit.cli demo --finish-within 590 --started-at $(STARTED_AT)
 
+# two pytest workers, each with its share of the cores (tests/conftest.py); a file's tests stay on one worker (its
+# module fixtures are built once). `make test TEST_WORKERS=0` runs them in one process.
+TEST_WORKERS ?= 2
+
 test: install-test
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"

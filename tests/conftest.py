@@ -1,8 +1,20 @@
 import os
 import sys
 
-import pytest
-import torch
+# Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores, set before torch is
+# imported: two workers with a thread per core each would fight over the same cores (and torch's threads spin: a
+# test then runs several times slower). The controlling process loads this file first and sets OMP_NUM_THREADS below,
+# which the workers inherit, so it notes whether the count was the user's.
+os.environ.setdefault("GRPOKIT_TESTS_USER_THREADS", "1" if "OMP_NUM_THREADS" in os.environ else "0")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and os.environ["GRPOKIT_TESTS_USER_THREADS"] == "0":
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+
+# No test reaches the network: a hub id that is not on disk fails at once instead of after the hub client's retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

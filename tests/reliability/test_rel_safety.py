@@ -52,13 +52,19 @@ def test_the_job_asks_for_no_remote_code(tmp_path, monkeypatch):
         seen.append(("model", k))
         raise OSError("stop here")
 
+    def config(name, **k):  # the vision-model check reads the config first
+        seen.append(("config", k))
+        raise OSError("not on disk")
+
     monkeypatch.setattr(grpokit.models, "load_tokenizer", tokenizer)
     monkeypatch.setattr(grpokit.models, "load_model", model)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", config)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"model": "some/model", "task": "arithmetic", "output_dir": str(tmp_path / "o"),
                                    "per_device_train_batch_size": 4, "num_generations": 4}))
     assert main(["train", str(cfg)]) == 2
-    assert seen == [("tokenizer", {"trust_remote_code": False}), ("model", {"trust_remote_code": False})]
+    assert seen == [("config", {"trust_remote_code": False}), ("tokenizer", {"trust_remote_code": False}),
+                    ("model", {"trust_remote_code": False})]
 
 
 def test_resume_reads_torch_files_only_with_weights_only(tmp_path, monkeypatch):
