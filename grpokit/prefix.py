@@ -1,5 +1,7 @@
 """Encoding each prompt once for its group: the ``G`` completions of a prompt share it, so generation and the
-training forward can encode it once and repeat its KV cache ``G`` times instead of encoding it ``G`` times.
+training forward can encode it once and repeat its KV cache ``G`` times instead of encoding it ``G`` times. For
+generation, also the tokens every prompt of a batch begins with (a chat template's system turn) once for the batch
+(:func:`encode_common_prefix_once`).
 
 Used by the transformers rollout backend (prefill before sampling) and by :mod:`grpokit.logprobs` (the training
 forward). Also home of :func:`position_ids_from_mask`, the positions both must agree on.
@@ -97,3 +99,66 @@ def encode_once_per_group(
         out = forward(uniq_ids, uniq_mask, cache)
     cache.batch_repeat_interleave(g)
     return cache, out
+
+
+def common_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """How many tokens every left-padded row begins with after its padding, at most the shortest row's length minus
+    one (every row keeps a token of its own after the prefix); 0 when a row is not left-padded (a 0 after a 1)."""
+    n, p = prompt_ids.shape
+    lengths = prompt_mask.long().sum(1)
+    shortest = int(lengths.min()) if n else 0
+    if n < 2 or shortest < 2:
+        return 0
+    pads = (p - lengths).unsqueeze(1)
+    if not bool((prompt_mask.long().cumsum(1) == (torch.arange(p, device=prompt_ids.device) + 1 - pads).clamp(min=0))
+                .all()):
+        return 0  # not 0...0 1...1 in every row
+    aligned = prompt_ids.gather(1, pads + torch.arange(shortest - 1, device=prompt_ids.device))
+    differs = (aligned != aligned[:1]).any(0).nonzero()
+    return int(differs[0]) if len(differs) else shortest - 1
+
+
+def prefix_first(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded rows laid out as ``[the first length tokens][padding][the rest]``: the shared prefix in the same
+    columns for every row. The positions (:func:`position_ids_from_mask`) and the tokens each one attends to are
+    the left-padded rows' (padding is masked wherever it sits); the last column is unchanged."""
+    p = prompt_ids.shape[1]
+    pads = (p - prompt_mask.long().sum(1)).unsqueeze(1)
+    col = torch.arange(p, device=prompt_ids.device).unsqueeze(0)
+    source = torch.where(col < length, pads + col, torch.where(col < length + pads, col - length, col))
+    return prompt_ids.gather(1, source), prompt_mask.gather(1, source)
+
+
+MIN_SHARED_PREFIX = 4
+"""Common prefixes shorter than this are encoded with each row (too little to save)."""
+
+
+def encode_common_prefix_once(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                              g: int = 1) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
+    """A KV cache of left-padded prompts whose common first tokens (a chat template's system turn, say) are encoded
+    once for the whole batch, the rest once per group of ``g`` identical prompts; returns ``(cache, ids, mask)``,
+    ``ids`` / ``mask`` laid out by :func:`prefix_first` (the cache's columns; feed later steps with ``mask``). None
+    when the rows share fewer than :data:`MIN_SHARED_PREFIX` tokens, hold one distinct prompt, or the cache cannot be
+    repeated. No gradient: for generation (the prefix's rows would need its gradient summed)."""
+    from transformers import DynamicCache
+
+    uniq_ids, uniq_mask = prompt_ids[::g], prompt_mask[::g]
+    length = common_prefix_length(uniq_ids, uniq_mask)
+    cache = DynamicCache(config=model.config)
+    if (length < MIN_SHARED_PREFIX or uniq_ids.shape[0] < 2
+            or not all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", []))):
+        return None
+    ids, mask = prefix_first(prompt_ids, prompt_mask, length)
+    uniq_ids, uniq_mask = ids[::g], mask[::g]
+    with torch.no_grad():
+        positions = torch.arange(length, device=ids.device).unsqueeze(0)
+        model(input_ids=uniq_ids[:1, :length], attention_mask=uniq_mask[:1, :length], position_ids=positions,
+              cache=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(uniq_ids.shape[0])
+        if uniq_ids.shape[1] > length:
+            model(input_ids=uniq_ids[:, length:], attention_mask=uniq_mask,
+                  position_ids=position_ids_from_mask(uniq_mask)[:, length:], cache=cache, use_cache=True,
+                  logits_to_keep=1)
+    if g > 1:
+        cache.batch_repeat_interleave(g)
+    return cache, ids, mask

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from ..prefix import accepts_cache, encode_once_per_group, position_ids_from_mask
+from ..prefix import accepts_cache, encode_common_prefix_once, encode_once_per_group, position_ids_from_mask
 from .base import SamplingParams
 
 DECODE_EXTRA = {"min_new_tokens"}
@@ -72,10 +72,9 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     if max_new_tokens <= 0:
         return out[:, :0]
-    cache = _prefill(model, prompt_ids, prompt_mask, group)
+    cache, mask = _prefill(model, prompt_ids, prompt_mask, group)
     sequences = torch.cat([prompt_ids, out], 1)  # the rows so far, for processors that look back
     rows = torch.arange(n, device=device)  # the rows still running
-    mask = prompt_mask.clone()
     step_input = prompt_ids[:, -1:]  # prompts are left-padded: every row's last column is a real token
     for t in range(max_new_tokens):
         positions = position_ids_from_mask(mask)[:, -1:]
@@ -99,15 +98,23 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
 
 
 def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: int):
-    """A cache holding every prompt but its last token (fed by the first decode step), each prompt encoded once for
-    its group when ``group`` > 1."""
+    """``(cache, mask)``: a cache holding every prompt but its last token (fed by the first decode step), and the
+    attention mask of the cache's columns plus that last token. The tokens all prompts begin with are encoded once
+    for the batch and each prompt once for its group when ``group`` > 1
+    (:func:`grpokit.prefix.encode_common_prefix_once`: the mask then has each row's padding after that prefix);
+    else each prompt once for its group; else every row."""
+    if prompt_ids.shape[1] > 1:
+        shared = encode_common_prefix_once(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
+        if shared is not None:
+            cache, _, mask = shared
+            return cache, torch.cat([mask, prompt_mask[:, -1:]], 1)
     if group > 1 and prompt_ids.shape[1] > 1:
         cache, _ = encode_once_per_group(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
         if cache is not None:
-            return cache
+            return cache, prompt_mask.clone()
     cache = DynamicCache(config=model.config)
     if prompt_ids.shape[1] > 1:
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
         model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), cache=cache,
               use_cache=True, logits_to_keep=1)
-    return cache
+    return cache, prompt_mask.clone()

@@ -9,6 +9,7 @@ import torch
 from tiny import tiny_model, tiny_tokenizer
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from grpokit.prefix import common_prefix_length, position_ids_from_mask, prefix_first
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.decode import decode, decodes, token_chooser
 from grpokit.rollout.transformers_backend import InverseCDFSampler, TransformersRollout
@@ -99,3 +100,53 @@ def test_the_backend_uses_the_loop_only_where_it_applies():
     TransformersRollout(tok).generate(model, ids, mask, SamplingParams(max_new_tokens=6, do_sample=False,
                                                                        extra={"no_repeat_ngram_size": 2}))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_a_prefix_every_prompt_begins_with_is_encoded_once_and_the_completions_are_generates(g):
+    """Prompts of different lengths (left padding) behind one system turn: the turn is encoded once for the batch (one
+    row), the rest once per group, and greedy decoding gives what ``generate`` gives from the left-padded rows."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, seed=5).eval()
+    system = "you are a careful assistant. answer the question. "
+    ids, mask = prompts(tok, [system + q for q in ["hello there", "hi", "what is 2 + 2?", "abcd efgh"]], g)
+    assert (mask == 0).any()  # rows of several lengths
+    eos = tok.eos_token_id
+    ender = EndByContent(ids.shape[1], eos)
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[eos])
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                              logits_processor=LogitsProcessorList([ender]))[:, ids.shape[1]:]
+    chooser = token_chooser(SamplingParams(max_new_tokens=8, do_sample=False))
+    shapes = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)),
+                                                 with_kwargs=True)
+    got = decode(model, ids, mask, max_new_tokens=8, eos_ids=[eos], pad_id=tok.pad_token_id,
+                 choose=lambda seqs, logits: chooser(seqs, ender(seqs, logits)), group=g)
+    hook.remove()
+    width = max(expected.shape[1], got.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=tok.pad_token_id)  # noqa: E731
+    assert torch.equal(pad(got), pad(expected))
+    shared = common_prefix_length(ids[:, :-1], mask[:, :-1])
+    assert shared >= len(tok(system, add_special_tokens=False)["input_ids"]) - 1
+    assert shapes[0] == (1, shared)  # the system turn, once
+    assert shapes[1] == (4, ids.shape[1] - 1 - shared)  # the rest of each distinct prompt, once
+    assert all(s[1] == 1 for s in shapes[2:])  # then one token a step
+
+
+def test_prefix_first_by_hand():
+    pad = 0
+    ids = torch.tensor([[pad, pad, 7, 8, 9, 5], [7, 8, 9, 3, 4, 6], [pad, 7, 8, 9, 1, 2]])
+    mask = (ids != pad).long()
+    assert common_prefix_length(ids, mask) == 3
+    short = torch.tensor([[pad, pad, pad, 7, 8, 9], [7, 8, 9, 3, 4, 6]])
+    assert common_prefix_length(short, (short != pad).long()) == 2  # the shortest row keeps a token of its own
+    new_ids, new_mask = prefix_first(ids, mask, 3)
+    assert new_ids.tolist() == [[7, 8, 9, pad, pad, 5], [7, 8, 9, 3, 4, 6], [7, 8, 9, pad, 1, 2]]
+    assert new_mask.tolist() == [[1, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]]
+    real = lambda m, p: p[m.bool()].tolist()  # noqa: E731
+    for r in range(3):  # each real token keeps its position
+        assert real(new_mask[r], position_ids_from_mask(new_mask)[r]) == real(mask[r], position_ids_from_mask(mask)[r])
+    right_padded = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert common_prefix_length(torch.ones(2, 3, dtype=torch.long), right_padded) == 0
+    assert common_prefix_length(torch.tensor([[4, 5, 6], [4, 5, 7]]), torch.ones(2, 3, dtype=torch.long)) == 2
+    assert common_prefix_length(torch.tensor([[4, 5, 6], [3, 5, 6]]), torch.ones(2, 3, dtype=torch.long)) == 0
