@@ -36,27 +36,46 @@ class EndByContent(LogitsProcessor):
         return scores
 
 
+def decode_as_generate(model, tok, ids, mask, g, max_new_tokens, repetition_penalty=1.0):
+    """Greedy completions of the decode loop, asserted equal to ``generate``'s (rows ending at different steps, by
+    :class:`EndByContent`); returns them and the (rows, columns) of every forward the loop ran."""
+    eos = tok.eos_token_id
+    ender = EndByContent(ids.shape[1], eos)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
+                              eos_token_id=[eos], repetition_penalty=repetition_penalty)
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                              logits_processor=LogitsProcessorList([ender]))[:, ids.shape[1]:]
+    chooser = token_chooser(SamplingParams(max_new_tokens=max_new_tokens, do_sample=False,
+                                           repetition_penalty=repetition_penalty))
+    shapes, first_logits = [], []
+
+    def choose(seqs, logits):
+        if not first_logits:
+            first_logits.append(logits.clone())
+        return chooser(seqs, ender(seqs, logits))
+
+    hook = model.model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)),
+                                                 with_kwargs=True)
+    got = decode(model, ids, mask, max_new_tokens=max_new_tokens, eos_ids=[eos], pad_id=tok.pad_token_id,
+                 choose=choose, group=g)
+    hook.remove()
+    with torch.no_grad():  # the first step's logits: every row's, as a plain forward of its left-padded prompt gives
+        plain = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[:, -1]
+    torch.testing.assert_close(first_logits[0], plain.float(), atol=1e-5, rtol=1e-5)
+    width = max(expected.shape[1], got.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=tok.pad_token_id)  # noqa: E731
+    assert torch.equal(pad(got), pad(expected))
+    return got, shapes
+
+
 @pytest.mark.parametrize("g", [1, 3])
 def test_greedy_completions_equal_generate_with_rows_ending_at_different_steps(g):
     tok = tiny_tokenizer()
     model = tiny_model(tok, seed=3).eval()
     ids, mask = prompts(tok, ["hello there", "hi", "what is 2 + 2?", "abcd"], g)
     eos = tok.eos_token_id
-    ender = EndByContent(ids.shape[1], eos)
-    config = GenerationConfig(max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[eos],
-                              repetition_penalty=1.3)
-    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                              logits_processor=LogitsProcessorList([ender]))[:, ids.shape[1]:]
-    chooser = token_chooser(SamplingParams(max_new_tokens=10, do_sample=False, repetition_penalty=1.3))
-    forward_rows = []
-    hook = model.model.register_forward_pre_hook(lambda m, a, k: forward_rows.append(k["input_ids"].shape[0]),
-                                                 with_kwargs=True)
-    got = decode(model, ids, mask, max_new_tokens=10, eos_ids=[eos], pad_id=tok.pad_token_id,
-                 choose=lambda seqs, logits: chooser(seqs, ender(seqs, logits)), group=g)
-    hook.remove()
-    width = max(expected.shape[1], got.shape[1])
-    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=tok.pad_token_id)  # noqa: E731
-    assert torch.equal(pad(got), pad(expected))
+    got, shapes = decode_as_generate(model, tok, ids, mask, g, max_new_tokens=10, repetition_penalty=1.3)
+    forward_rows = [rows for rows, _ in shapes]
     lengths = ((got != tok.pad_token_id) & (got != eos)).sum(1)
     assert len(set(lengths.tolist())) > 1  # rows ended at different steps...
     decode_steps = forward_rows[1:]  # after the prefill
@@ -111,21 +130,7 @@ def test_a_prefix_every_prompt_begins_with_is_encoded_once_and_the_completions_a
     system = "you are a careful assistant. answer the question. "
     ids, mask = prompts(tok, [system + q for q in ["hello there", "hi", "what is 2 + 2?", "abcd efgh"]], g)
     assert (mask == 0).any()  # rows of several lengths
-    eos = tok.eos_token_id
-    ender = EndByContent(ids.shape[1], eos)
-    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[eos])
-    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                              logits_processor=LogitsProcessorList([ender]))[:, ids.shape[1]:]
-    chooser = token_chooser(SamplingParams(max_new_tokens=8, do_sample=False))
-    shapes = []
-    hook = model.model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)),
-                                                 with_kwargs=True)
-    got = decode(model, ids, mask, max_new_tokens=8, eos_ids=[eos], pad_id=tok.pad_token_id,
-                 choose=lambda seqs, logits: chooser(seqs, ender(seqs, logits)), group=g)
-    hook.remove()
-    width = max(expected.shape[1], got.shape[1])
-    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=tok.pad_token_id)  # noqa: E731
-    assert torch.equal(pad(got), pad(expected))
+    shapes = decode_as_generate(model, tok, ids, mask, g, max_new_tokens=8)[1]
     shared = common_prefix_length(ids[:, :-1], mask[:, :-1])
     assert shared >= len(tok(system, add_special_tokens=False)["input_ids"]) - 1
     assert shapes[0] == (1, shared)  # the system turn, once
