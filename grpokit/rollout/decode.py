@@ -6,8 +6,9 @@ rows is compute-bound, so those rows cost nearly what live ones do. This loop ru
 transformers causal LM, its ``DynamicCache``) and the same distribution — the logits processors and warpers
 ``generate`` would apply, in its order, through transformers' own classes — but after each step it removes the rows
 that produced an end-of-sequence token from the batch and from the cache (``batch_select_indices``), so the step
-costs what the live rows cost. The prompts of a group of ``G`` identical rows are encoded once
-(:func:`grpokit.prefix.encode_once_per_group`), as the backend does before ``generate``.
+costs what the live rows cost. With ``share_prompt`` the prompts are encoded as the backend does before
+``generate``: a group of ``G`` identical rows once (:func:`grpokit.prefix.encode_once_per_group`), and the tokens
+every prompt begins with once for the call (:func:`grpokit.prefix.encode_common_prefix_once`).
 
 It takes what the backend's fast sampler takes (temperature, top-k, top-p, min-p, repetition penalty,
 ``min_new_tokens``); anything else a config asks of ``generate`` (beams, static caches, bad words, ...) goes to
@@ -62,17 +63,18 @@ def token_chooser(params: SamplingParams, sampler=None) -> Callable[[torch.Tenso
 @torch.no_grad()
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            eos_ids: list[int], pad_id: int, choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-           min_new_tokens: int = 0, group: int = 1) -> torch.Tensor:
+           min_new_tokens: int = 0, group: int = 1, share_prompt: bool = True) -> torch.Tensor:
     """Completions (N, T ≤ ``max_new_tokens``) for left-padded prompts, padded with ``pad_id`` after each row's
-    end-of-sequence token; ``group``: rows come as groups of that many identical prompts (their prompt is encoded
-    once). ``model``: the causal LM (not a PEFT/DDP wrapper; PEFT's LoRA layers are inside it)."""
+    end-of-sequence token; ``group``: rows come as groups of that many identical prompts; ``share_prompt``: encode
+    what rows share once (a group's prompt, the prefix all prompts begin with), else every row whole. ``model``: the
+    causal LM (not a PEFT/DDP wrapper; PEFT's LoRA layers are inside it)."""
     n, p = prompt_ids.shape
     device = prompt_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     if max_new_tokens <= 0:
         return out[:, :0]
-    cache, mask = _prefill(model, prompt_ids, prompt_mask, group)
+    cache, mask = _prefill(model, prompt_ids, prompt_mask, group if share_prompt else 1, share_prompt)
     sequences = torch.cat([prompt_ids, out], 1)  # the rows so far, for processors that look back
     rows = torch.arange(n, device=device)  # the rows still running
     step_input = prompt_ids[:, -1:]  # prompts are left-padded: every row's last column is a real token
@@ -97,21 +99,21 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     return out
 
 
-def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: int):
+def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: int, share: bool):
     """``(cache, mask)``: a cache holding every prompt but its last token (fed by the first decode step), and the
-    attention mask of the cache's columns plus that last token. The tokens all prompts begin with are encoded once
-    for the batch and each prompt once for its group when ``group`` > 1
-    (:func:`grpokit.prefix.encode_common_prefix_once`: the mask then has each row's padding after that prefix);
-    else each prompt once for its group; else every row."""
-    if prompt_ids.shape[1] > 1:
+    attention mask of the cache's columns plus that last token. With ``share``, the tokens all prompts begin with are
+    encoded once for the batch and each prompt's rest once for its group of ``group``
+    (:func:`grpokit.prefix.encode_common_prefix_once`: the mask then has each row's padding after that prefix), or,
+    without such a prefix, each prompt once for its group; else every row."""
+    if share and prompt_ids.shape[1] > 1:
         shared = encode_common_prefix_once(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
         if shared is not None:
             cache, _, mask = shared
             return cache, torch.cat([mask, prompt_mask[:, -1:]], 1)
-    if group > 1 and prompt_ids.shape[1] > 1:
-        cache, _ = encode_once_per_group(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
-        if cache is not None:
-            return cache, prompt_mask.clone()
+        if group > 1:
+            cache, _ = encode_once_per_group(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
+            if cache is not None:
+                return cache, prompt_mask.clone()
     cache = DynamicCache(config=model.config)
     if prompt_ids.shape[1] > 1:
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]

@@ -153,8 +153,9 @@ class TransformersRollout:
     """The default backend. ``generate`` runs in eval mode under ``no_grad`` and restores the training mode.
 
     ``share_prompt_prefill``: when the rows come as groups of ``G`` identical prompts, each prompt is encoded
-    once and its KV cache repeated ``G`` times instead of being prefilled ``G`` times (sampling is unchanged:
-    the same tokens come out up to float rounding of the prefill).
+    once and its KV cache repeated ``G`` times instead of being prefilled ``G`` times, and in the decode loop the
+    tokens all prompts begin with (a chat template's system turn) are encoded once for the call (sampling is
+    unchanged: the same tokens come out up to float rounding of the prefill).
 
     ``decode_loop``: on a CPU, sample with :func:`grpokit.rollout.decode.decode` — the same model forward and
     distribution, finished rows dropped from the batch — wherever it applies (else ``generate``).
@@ -241,7 +242,7 @@ class TransformersRollout:
         for start in range(0, prompt_ids.shape[0], step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
             if loop is not None:  # the fast path: finished rows leave the batch (grpokit/rollout/decode.py)
-                chunks.append(loop(ids, mask, group_size(ids, mask) if share else 1))
+                chunks.append(loop(ids, mask, group_size(ids, mask) if share else 1, share))
                 continue
             kwargs = {"synced_gpus": params.lockstep}  # explicit: transformers' own test misses accelerate's FSDP2
             if vision is not None:
@@ -256,9 +257,9 @@ class TransformersRollout:
         return chunks
 
     def _decode_loop(self, model, params: SamplingParams, sampler, device: torch.device):
-        """``loop(ids, mask, group) -> completion ids`` with :func:`grpokit.rollout.decode.decode` when it applies (on a
-        CPU, sampling with the fast sampler or greedy, a causal LM whose cache can drop rows, weights not sharded),
-        else None (``generate``)."""
+        """``loop(ids, mask, group, share) -> completion ids`` with :func:`grpokit.rollout.decode.decode` when it
+        applies (on a CPU, sampling with the fast sampler or greedy, a causal LM whose cache can drop rows, weights not
+        sharded), else None (``generate``)."""
         from ..sharding import sharding_kind
 
         inner = inner_causal_lm(model)
@@ -268,8 +269,9 @@ class TransformersRollout:
         choose = token_chooser(params, sampler if params.do_sample else None)
         eos, pad = stop_token_ids(model, self.tokenizer), self.tokenizer.pad_token_id
         min_new = int(params.extra.get("min_new_tokens") or 0)
-        return lambda ids, mask, group: decode(inner, ids, mask, max_new_tokens=params.max_new_tokens, eos_ids=eos,
-                                               pad_id=pad, choose=choose, min_new_tokens=min_new, group=group)
+        return lambda ids, mask, group, share: decode(inner, ids, mask, max_new_tokens=params.max_new_tokens,
+                                                      eos_ids=eos, pad_id=pad, choose=choose, min_new_tokens=min_new,
+                                                      group=group, share_prompt=share)
 
     def sync_weights(self, model: torch.nn.Module) -> None:  # the sampler is the trainer's model itself
         return None

@@ -241,3 +241,30 @@ def test_cpu_sampling_uses_the_fast_sampler_unless_an_extra_needs_generate():
     assert fast_sampler(SamplingParams(max_new_tokens=4, extra={"typical_p": 0.9}), cpu) is None
     assert fast_sampler(SamplingParams(max_new_tokens=4, do_sample=False), cpu) is None
     assert fast_sampler(SamplingParams(max_new_tokens=4), torch.device("meta")) is None
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_prefix_all_prompts_begin_with_is_shared_only_when_prompts_are(share):
+    """``share_prompt_prefill`` governs every prompt sharing of the decode loop: on, a system turn all prompts begin
+    with is encoded once for the call; off, every row is encoded whole. The completions are the same either way."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, seed=4)
+    ids, mask = _prompts(tok, ["you are a careful assistant. " + q for q in ["hello there", "hi", "what is 2 + 2?"]],
+                         2)
+    forwards = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, k: forwards.append(tuple(k["input_ids"].shape)),
+                                                 with_kwargs=True)
+    out = TransformersRollout(tok, share_prompt_prefill=share).generate(
+        model, ids, mask, SamplingParams(max_new_tokens=4, do_sample=False, extra={"min_new_tokens": 4}))
+    hook.remove()
+    n, length = ids.shape
+    if share:
+        prefix = forwards[0][1]
+        assert forwards[0][0] == 1 and prefix >= 20  # the system turn, once
+        assert forwards[1] == (n // 2, length - 1 - prefix)  # each distinct prompt's rest, once
+    else:
+        assert forwards[0] == (n, length - 1)  # every row whole
+    assert all(f == (n, 1) for f in forwards[-4:])
+    other = TransformersRollout(tok, share_prompt_prefill=not share).generate(
+        model, ids, mask, SamplingParams(max_new_tokens=4, do_sample=False, extra={"min_new_tokens": 4}))
+    assert torch.equal(out.completion_ids, other.completion_ids)
