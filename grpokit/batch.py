@@ -67,12 +67,13 @@ class RolloutBatch:
                 if f.name != "vision" and (v := getattr(self, f.name)) is not None}
 
     def select(self, rows: slice | torch.Tensor) -> RolloutBatch:
-        """The rows ``rows`` (a slice or index tensor); batch-wide values (0-dim) are kept."""
+        """The rows ``rows`` (a slice, an index tensor or a boolean mask); batch-wide values (0-dim) are kept."""
         vision = None
         if self.vision is not None:
-            if isinstance(rows, torch.Tensor):
-                rows_list = (rows.nonzero().flatten() if rows.dtype == torch.bool else rows.flatten()).tolist()
-            vision = self.vision.select(rows if isinstance(rows, slice) else rows_list)
+            if isinstance(rows, torch.Tensor):  # the images' rows as a list of indices
+                vision = self.vision.select((rows.nonzero() if rows.dtype == torch.bool else rows).flatten().tolist())
+            else:
+                vision = self.vision.select(rows)
         return RolloutBatch(**{k: (v[rows] if v.dim() > 0 else v) for k, v in self.tensors().items()}, vision=vision)
 
     def split(self, parts: int) -> list[RolloutBatch]:

@@ -23,6 +23,7 @@ from .sharding import weights_for_generation
 from .tools import TurnLimits
 from .user_calls import RunStopped
 from .vision.encoding import tokenizer_of
+from .vision.inputs import pixel_dtype
 
 
 @torch.no_grad()
@@ -86,7 +87,7 @@ def evaluate(
         for s in range(0, len(rows), batch_size):
             out = sample_and_score(rows[s:s + batch_size], tokenizer, generate, reward_funcs,
                                    max_prompt_length=max_prompt_length, device=device, multiturn=multiturn,
-                                   limits=limits, bounds=bounds, dtype=_float_dtype(model))
+                                   limits=limits, bounds=bounds, dtype=pixel_dtype(model))
             if out.incidents.stop_cause is not None:
                 raise RunStopped(f"the evaluation stopped: {out.incidents.stop_cause}")
             all_rewards.append(out.rewards)
@@ -104,11 +105,6 @@ def evaluate(
         summary["tool_failure_rate"] = failures / calls if calls else 0.0
     summary["seconds"] = time.perf_counter() - start
     return summary, _samples(rows, texts_all, rewards, names, accuracy_reward, num_samples)
-
-
-def _float_dtype(model) -> torch.dtype | None:
-    """The dtype a VLM's pixel values are given in: its weights' (the first floating-point one's)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _eval_rows(dataset, n: int | None, model, tokenizer) -> list[dict]:

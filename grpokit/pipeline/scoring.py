@@ -15,6 +15,7 @@ from ..rollout.base import context_length, stop_token_ids
 from ..rollout.sample import ScoredSamples, sample_and_score
 from ..tools import TurnLimits
 from ..user_calls import CallBounds
+from ..vision.inputs import pixel_dtype
 from .driver import RolloutDriver
 from .stats import RolloutStats
 
@@ -37,7 +38,7 @@ class RolloutScorer:
         self.limits = TurnLimits(self.eos_ids, args.max_completion_length, context_length(model))
         self.bounds = bounds if bounds is not None else CallBounds.from_config(args)
         """Time bounds on every call into user code, and the run's stop flag (grpokit/user_calls.py)."""
-        self.image_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        self.image_dtype = pixel_dtype(model)
         """The dtype a batch's pixel values are given to the model in (its weights')."""
 
     def __call__(self, rows: list[dict], driver: RolloutDriver, stats: RolloutStats) -> ScoredSamples:

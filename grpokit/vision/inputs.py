@@ -33,6 +33,11 @@ IMAGE_KEYS = ("image_grid_thw", "image_sizes", "image_position_ids", "spatial_sh
 UNITS = ("row", "image", "patch", "token")
 
 
+def pixel_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype a model is given pixel values in: its weights' (the first floating-point one's)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def _units_of(output: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Each tensor's unit (see the module docstring) from its name and the family's layout."""
     units = {}
