@@ -1,11 +1,12 @@
 """Linear layers with their weights pre-packed for oneDNN while generating on a CPU.
 
 A decode step multiplies a few rows by every weight matrix of the model. torch's default CPU path (MKL's GEMM)
-repacks each weight on every call, so a step streams each weight three times; oneDNN's inner-product primitive with a
-weight packed once into its blocked layout streams it once. On a 2-core AMD EPYC (AVX2) the linear layers of a decode
-step of SmolLM2-135M at 8 rows took half the time (benchmarks/RESULTS.md). Packing every weight takes ~0.2 s and one
-more copy of the linear weights in memory for as long as the context lasts; the results equal the unpacked layers' up
-to float rounding (another summation order). Only float32 weights on a CPU with oneDNN; anything else is left as is.
+repacks each weight on every call; oneDNN's inner-product primitive with a weight packed once into its blocked layout
+reads it as it is. On a 2-core AMD EPYC (AVX2 only) a whole decode step of SmolLM2-135M in float32 took 63 instead of
+82 ms at 8 rows and 114 instead of 134 ms at 32 (``benchmarks/bench_packed.py``, benchmarks/RESULTS.md). Packing
+every weight takes ~0.2 s and one more copy of the linear weights in memory for as long as the context lasts; the
+results equal the unpacked layers' up to float rounding (another summation order). Only float32 weights on a CPU
+with oneDNN; anything else is left as is.
 """
 
 from __future__ import annotations

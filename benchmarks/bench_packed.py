@@ -1,0 +1,67 @@
+"""One decode step of SmolLM2-135M (float32, one new token per row after a 52-token prompt) with the linear layers on
+oneDNN-packed weights (grpokit/rollout/packed.py) and without, alternating, for a few batch sizes.
+
+    python benchmarks/bench_packed.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from _common import write_section
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--no-write", action="store_true", help="print only; RESULTS.md unchanged")
+    args = ap.parse_args()
+    from transformers import DynamicCache
+
+    from grpokit.models import load_model
+    from grpokit.rollout.packed import packed_linears
+
+    model = load_model("smollm2-135m-instruct", dtype="float32").eval()
+    table = ["| rows | plain ms (median) | packed ms (median) | plain / packed |", "|---|---|---|---|"]
+    for rows in args.rows:
+        prompt = torch.randint(100, 40000, (rows, 52), generator=torch.Generator().manual_seed(0))
+        step = torch.randint(100, 40000, (rows, 1), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones(rows, 53, dtype=torch.long)
+        positions = torch.full((rows, 1), 52)
+
+        @torch.no_grad()
+        def one_step(prompt=prompt, step=step, mask=mask, positions=positions):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+            t0 = time.perf_counter()
+            model(input_ids=step, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                  logits_to_keep=1)
+            return time.perf_counter() - t0
+
+        samples = {"plain": [], "packed": []}
+        for r in range(args.repeats + 1):
+            for side in (("plain", "packed") if r % 2 == 0 else ("packed", "plain")):
+                if side == "packed":
+                    with packed_linears(model, rows):
+                        t = one_step()
+                else:
+                    t = one_step()
+                if r:  # the first round warms up
+                    samples[side].append(t)
+        plain, packed = (1000 * statistics.median(samples[k]) for k in ("plain", "packed"))
+        table.append(f"| {rows} | {plain:.1f} | {packed:.1f} | {plain / packed:.2f}× |")
+        print(table[-1], flush=True)
+    body = "\n".join(table) + (
+        f"\n\nThe time of the one-token forward only (its prefill and the packing, ~0.2 s once per generation batch, "
+        f"not counted); median of {args.repeats} alternated repeats after a warm-up round.")
+    if not args.no_write:
+        write_section("A decode step on packed weights (SmolLM2-135M, float32)", "python benchmarks/bench_packed.py",
+                      body)
+
+
+if __name__ == "__main__":
+    main()
