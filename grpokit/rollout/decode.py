@@ -24,6 +24,7 @@ from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLog
 
 from ..prefix import accepts_cache, encode_common_prefix_once, encode_once_per_group, position_ids_from_mask
 from .base import SamplingParams
+from .reserved_cache import reserve
 
 DECODE_EXTRA = {"min_new_tokens"}
 """``generation_kwargs`` the loop applies itself; with any other one the backend calls ``generate``."""
@@ -75,6 +76,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     if max_new_tokens <= 0:
         return out[:, :0]
     cache, mask = _prefill(model, prompt_ids, prompt_mask, group if share_prompt else 1, share_prompt)
+    reserve(cache, max_new_tokens)  # each step writes its position in place instead of copying the cache
     sequences = torch.cat([prompt_ids, out], 1)  # the rows so far, for processors that look back
     rows = torch.arange(n, device=device)  # the rows still running
     step_input = prompt_ids[:, -1:]  # prompts are left-padded: every row's last column is a real token
@@ -108,7 +110,7 @@ def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     if share and prompt_ids.shape[1] > 1:
         shared = encode_common_prefix_once(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
         if shared is not None:
-            cache, _, mask = shared
+            cache, _, mask, _ = shared
             return cache, torch.cat([mask, prompt_mask[:, -1:]], 1)
         if group > 1:
             cache, _ = encode_once_per_group(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
