@@ -133,13 +133,18 @@ MIN_SHARED_PREFIX = 4
 """Common prefixes shorter than this are encoded with each row (too little to save)."""
 
 
-def encode_common_prefix_once(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                              g: int = 1) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
+def encode_common_prefix_once(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g: int = 1,
+    forward: Callable[[torch.Tensor, torch.Tensor, Any, torch.Tensor], Any] | None = None,
+) -> tuple[Any, torch.Tensor, torch.Tensor, Any] | None:
     """A KV cache of left-padded prompts whose common first tokens (a chat template's system turn, say) are encoded
-    once for the whole batch, the rest once per group of ``g`` identical prompts; returns ``(cache, ids, mask)``,
-    ``ids`` / ``mask`` laid out by :func:`prefix_first` (the cache's columns; feed later steps with ``mask``). None
-    when the rows share fewer than :data:`MIN_SHARED_PREFIX` tokens, hold one distinct prompt, or the cache cannot be
-    repeated. No gradient: for generation (the prefix's rows would need its gradient summed)."""
+    once for the whole batch, the rest once per group of ``g`` identical prompts; returns ``(cache, ids, mask,
+    out)``: ``ids`` / ``mask`` laid out by :func:`prefix_first` (the cache's columns; feed later steps with
+    ``mask``) and ``out``, what ``forward(ids, mask, cache, position_ids)`` returned for the distinct prompts' rests
+    (the default forward: the model's, one token predicted). The cache is repeated for the rows, so with gradients
+    on, autograd sums every row's gradient back onto the one encoding of the prefix (the training forward,
+    :mod:`grpokit.logprobs`). None, with no forward run, when the rows share fewer than :data:`MIN_SHARED_PREFIX`
+    tokens, hold one distinct prompt, or the cache cannot be repeated."""
     from transformers import DynamicCache
 
     uniq_ids, uniq_mask = prompt_ids[::g], prompt_mask[::g]
@@ -148,17 +153,17 @@ def encode_common_prefix_once(model: torch.nn.Module, prompt_ids: torch.Tensor, 
     if (length < MIN_SHARED_PREFIX or uniq_ids.shape[0] < 2
             or not all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", []))):
         return None
+    if forward is None:
+        def forward(ids, mask, cache, positions):
+            return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                         logits_to_keep=1)
     ids, mask = prefix_first(prompt_ids, prompt_mask, length)
     uniq_ids, uniq_mask = ids[::g], mask[::g]
-    with torch.no_grad():
-        positions = torch.arange(length, device=ids.device).unsqueeze(0)
-        model(input_ids=uniq_ids[:1, :length], attention_mask=uniq_mask[:1, :length], position_ids=positions,
-              cache=cache, use_cache=True, logits_to_keep=1)
-        cache.batch_repeat_interleave(uniq_ids.shape[0])
-        if uniq_ids.shape[1] > length:
-            model(input_ids=uniq_ids[:, length:], attention_mask=uniq_mask,
-                  position_ids=position_ids_from_mask(uniq_mask)[:, length:], cache=cache, use_cache=True,
-                  logits_to_keep=1)
+    positions = position_ids_from_mask(uniq_mask)
+    forward(uniq_ids[:1, :length], uniq_mask[:1, :length], cache, positions[:1, :length])
+    cache.batch_repeat_interleave(uniq_ids.shape[0])
+    # every row keeps a token of its own after the prefix (common_prefix_length), so the rest is never empty
+    out = forward(uniq_ids[:, length:], uniq_mask, cache, positions[:, length:])
     if g > 1:
         cache.batch_repeat_interleave(g)
-    return cache, ids, mask
+    return cache, ids, mask, out
