@@ -208,42 +208,6 @@ def _grouped_batch(tok, g=3, seed=0):
     return prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0), completion_ids, completion_mask
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_shared_prompts_equal_encoding_every_row(lora):
-    tok = tiny_tokenizer()
-    model = tiny_model(tok, tie=False).double()
-    if lora:
-        peft = pytest.importorskip("peft")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                           lora_dropout=0.0, init_lora_weights=False))
-    batch = _grouped_batch(tok)
-    forwards = []
-    inner = model.get_base_model() if lora else model
-    inner.model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape), with_kwargs=True)
-    out = {}
-    for share in (True, False):
-        model.zero_grad(set_to_none=True)
-        forwards.clear()
-        lp, ent = completion_logps(model, *batch, temperature=0.8, entropy_grad=True, share_prompts=share)
-        w = torch.linspace(-1, 1, lp.numel()).reshape(lp.shape).double()
-        ((lp * w).sum() + (ent * w.flip(-1)).sum()).backward()
-        out[share] = (lp.detach(), ent.detach(), _grads(model), list(forwards))
-    (lp, ent, grads, fw), (lp_ref, ent_ref, grads_ref, fw_ref) = out[True], out[False]
-    p, c = batch[0].shape[1], batch[2].shape[1]
-    assert fw == [(2, p), (6, c)] and fw_ref == [(6, p + c)]  # each prompt once, then only the completions
-    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-10)
-    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-10)
-    assert grads.keys() == grads_ref.keys() and grads
-    # Llama's RMSNorm computes in float32 even in a float64 model, and the shared prompt sums its rows' gradients
-    # before that norm's backward rather than after: equal up to float32 rounding
-    for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-6, msg=name)
-    # no-grad passes (old and reference policy), in micro-batches that cut a group in two
-    with torch.no_grad():
-        lp_nb = completion_logps(model, *batch, temperature=0.8, compute_entropy=False, batch_size=4)[0]
-    torch.testing.assert_close(lp_nb, lp_ref, rtol=0, atol=1e-10)
-
-
 def _prefixed_grouped_batch(tok, g=3, prefix=5, own=(2, 4, 3), c=6, seed=0):
     """Three prompts that begin with the same ``prefix`` tokens (a system turn), then ``own`` tokens each,
     left-padded; ``g`` completions each, consecutive."""
@@ -263,14 +227,17 @@ def _prefixed_grouped_batch(tok, g=3, prefix=5, own=(2, 4, 3), c=6, seed=0):
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_prefix_all_prompts_begin_with_is_encoded_once_with_its_gradient_summed(lora):
+@pytest.mark.parametrize("prefixed", [False, True])
+def test_shared_prompts_equal_encoding_every_row(lora, prefixed):
+    """Each prompt once for its group; with ``prefixed`` prompts (a system turn all begin with) that prefix once for
+    the batch, its gradient summed by autograd: log-probs, entropies and every gradient equal the unshared forward."""
     tok = tiny_tokenizer()
     model = tiny_model(tok, tie=False).double()
     if lora:
         peft = pytest.importorskip("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                            lora_dropout=0.0, init_lora_weights=False))
-    batch = _prefixed_grouped_batch(tok)
+    batch = _prefixed_grouped_batch(tok) if prefixed else _grouped_batch(tok)
     forwards = []
     inner = model.get_base_model() if lora else model
     inner.model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape), with_kwargs=True)
@@ -283,23 +250,34 @@ def test_the_prefix_all_prompts_begin_with_is_encoded_once_with_its_gradient_sum
         ((lp * w).sum() + (ent * w.flip(-1)).sum()).backward()
         out[share] = (lp.detach(), ent.detach(), _grads(model), list(forwards))
     (lp, ent, grads, fw), (lp_ref, ent_ref, grads_ref, fw_ref) = out[True], out[False]
-    p, c = batch[0].shape[1], batch[2].shape[1]
-    # the prefix once, each prompt's rest once, then only the completions
-    assert fw == [(1, 5), (3, p - 5), (9, c)] and fw_ref == [(9, p + c)]
+    (n, p), c = batch[0].shape, batch[2].shape[1]
+    if prefixed:  # the prefix once, each prompt's rest once, then only the completions
+        assert fw == [(1, 5), (3, p - 5), (n, c)] and fw_ref == [(n, p + c)]
+    else:  # each prompt once, then only the completions
+        assert fw == [(2, p), (n, c)] and fw_ref == [(n, p + c)]
     torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-10)
     torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-10)
     assert grads.keys() == grads_ref.keys() and grads
-    for name in grads_ref:  # float32 RMSNorm inside, as in the test above
+    # Llama's RMSNorm computes in float32 even in a float64 model, and the shared prompt sums its rows' gradients
+    # before that norm's backward rather than after: equal up to float32 rounding
+    for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-6, msg=name)
-    with torch.no_grad():  # micro-batches that cut a group in two
+    # no-grad passes (old and reference policy), in micro-batches that cut a group in two
+    with torch.no_grad():
         lp_nb = completion_logps(model, *batch, temperature=0.8, compute_entropy=False, batch_size=4)[0]
     torch.testing.assert_close(lp_nb, lp_ref, rtol=0, atol=1e-10)
-    # where the prefix is a small share of the positions (long completions), each prompt is encoded once, whole
+
+
+def test_a_prefix_too_small_a_share_of_the_positions_is_not_encoded_apart():
+    """Long completions: the prefix saves under PREFIX_MIN_SAVED of the positions, each prompt is encoded whole."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok).eval()
+    forwards = []
+    model.model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape), with_kwargs=True)
     long = _prefixed_grouped_batch(tok, c=40)
-    forwards.clear()
     with torch.no_grad():
         completion_logps(model, *long)
-    assert forwards == [(3, p), (9, 40)]
+    assert forwards == [(3, long[0].shape[1]), (9, 40)]
 
 
 def test_prompts_are_not_shared_with_dropout_or_checkpointing():
