@@ -6,9 +6,15 @@ rows is compute-bound, so those rows cost nearly what live ones do. This loop ru
 transformers causal LM, its ``DynamicCache``) and the same distribution — the logits processors and warpers
 ``generate`` would apply, in its order, through transformers' own classes — but after each step it removes the rows
 that produced an end-of-sequence token from the batch and from the cache (``batch_select_indices``), so the step
-costs what the live rows cost. With ``share_prompt`` the prompts are encoded as the backend does before
-``generate``: a group of ``G`` identical rows once (:func:`grpokit.prefix.encode_once_per_group`), and the tokens
-every prompt begins with once for the call (:func:`grpokit.prefix.encode_common_prefix_once`).
+costs what the live rows cost.
+
+With ``share_prompt`` the model runs once per distinct history, not once per row. A group's ``G`` rows begin as one
+*state* (its prompt, encoded once; the tokens every prompt begins with, a chat template's system turn, once for the
+call: :func:`grpokit.prefix.encode_common_prefix_once`); each step every row draws its own token from its state's
+distribution, and rows of a state that drew the same token stay one state (one forward, one cache row) while those
+that drew others split off (the cache rows are copied: ``batch_select_indices``). The rows are sampled as before —
+independent draws from the same distributions — but a policy that has grown confident (a group's four replies
+alike, most of a trained model's groups) costs a quarter of the forwards.
 
 It takes what the backend's fast sampler takes (temperature, top-k, top-p, min-p, repetition penalty,
 ``min_new_tokens``); anything else a config asks of ``generate`` (beams, static caches, bad words, ...) goes to
@@ -22,7 +28,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from ..prefix import accepts_cache, encode_common_prefix_once, encode_once_per_group, position_ids_from_mask
+from ..prefix import accepts_cache, encode_common_prefix_once, position_ids_from_mask
 from .base import SamplingParams
 from .reserved_cache import reserve
 
@@ -75,47 +81,67 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     if max_new_tokens <= 0:
         return out[:, :0]
-    cache, mask = _prefill(model, prompt_ids, prompt_mask, group if share_prompt else 1, share_prompt)
+    g = group if share_prompt and group > 1 else 1
+    # The model runs on *states*: one per distinct history (a group's prompt, then each distinct way its rows went
+    # on). ``owner[i]``: the state of live row ``rows[i]``.
+    cache, mask = _prefill(model, prompt_ids[::g], prompt_mask[::g], share_prompt)
     reserve(cache, max_new_tokens)  # each step writes its position in place instead of copying the cache
     sequences = torch.cat([prompt_ids, out], 1)  # the rows so far, for processors that look back
     rows = torch.arange(n, device=device)  # the rows still running
-    step_input = prompt_ids[:, -1:]  # prompts are left-padded: every row's last column is a real token
+    owner = rows // g
+    step_input = prompt_ids[::g, -1:]  # prompts are left-padded: every row's last column is a real token
     for t in range(max_new_tokens):
         positions = position_ids_from_mask(mask)[:, -1:]
         logits = model(input_ids=step_input, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                        logits_to_keep=1).logits[:, -1].float()
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
+        if not _is_identity(owner, logits.shape[0]):
+            logits = logits[owner]  # each row draws its own token from its state's distribution
         tokens = choose(sequences[rows, :p + t], logits)
         out[rows, t] = tokens
         sequences[rows, p + t] = tokens
         running = ~torch.isin(tokens, eos)
         if not bool(running.any()):
             return out[:, :t + 1]
-        if not bool(running.all()):  # finished rows leave the batch and the cache
+        if not bool(running.all()):  # finished rows leave the batch
             keep = running.nonzero().flatten()
-            cache.batch_select_indices(keep)
-            rows, tokens, mask = rows[keep], tokens[keep], mask[keep]
+            rows, tokens, owner = rows[keep], tokens[keep], owner[keep]
+        owner, step_input, parents = _next_states(owner, tokens, logits.shape[-1], mask.shape[0])
+        if parents is not None:  # states split (rows drew different tokens) or ended: the cache follows
+            cache.batch_select_indices(parents)
+            mask = mask[parents]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-        step_input = tokens.unsqueeze(1)
     return out
 
 
-def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: int, share: bool):
+def _next_states(owner: torch.Tensor, tokens: torch.Tensor, vocab: int, n_states: int):
+    """``(owner, step_input, parents)`` for the next step: one state per distinct (state, token) among the live rows
+    — rows that shared a history and drew the same token still share it — ``owner`` mapping each row to its new
+    state, ``step_input`` (S, 1) each state's token, and ``parents`` the old state each new one continues (None when
+    that is every old state, in order: the cache is kept as it is)."""
+    if _is_identity(owner, n_states):
+        return owner, tokens.unsqueeze(1), None  # one row per state, all still running: nothing merges or splits
+    keys, owner = torch.unique(owner * vocab + tokens, return_inverse=True)  # sorted by old state, then token
+    parents = keys // vocab
+    return owner, (keys % vocab).unsqueeze(1), None if _is_identity(parents, n_states) else parents
+
+
+def _is_identity(index: torch.Tensor, n: int) -> bool:
+    """Whether ``index`` is ``0, 1, ..., n - 1``."""
+    return index.shape[0] == n and bool((index == torch.arange(n, device=index.device)).all())
+
+
+def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, share: bool):
     """``(cache, mask)``: a cache holding every prompt but its last token (fed by the first decode step), and the
     attention mask of the cache's columns plus that last token. With ``share``, the tokens all prompts begin with are
-    encoded once for the batch and each prompt's rest once for its group of ``group``
-    (:func:`grpokit.prefix.encode_common_prefix_once`: the mask then has each row's padding after that prefix), or,
-    without such a prefix, each prompt once for its group; else every row."""
+    encoded once for the batch (:func:`grpokit.prefix.encode_common_prefix_once`: the mask then has each row's padding
+    after that prefix); else every row whole."""
     if share and prompt_ids.shape[1] > 1:
-        shared = encode_common_prefix_once(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
+        shared = encode_common_prefix_once(model, prompt_ids[:, :-1], prompt_mask[:, :-1])
         if shared is not None:
             cache, _, mask, _ = shared
             return cache, torch.cat([mask, prompt_mask[:, -1:]], 1)
-        if group > 1:
-            cache, _ = encode_once_per_group(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group)
-            if cache is not None:
-                return cache, prompt_mask.clone()
     cache = DynamicCache(config=model.config)
     if prompt_ids.shape[1] > 1:
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]

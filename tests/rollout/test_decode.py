@@ -155,3 +155,45 @@ def test_prefix_first_by_hand():
     assert common_prefix_length(torch.ones(2, 3, dtype=torch.long), right_padded) == 0
     assert common_prefix_length(torch.tensor([[4, 5, 6], [4, 5, 7]]), torch.ones(2, 3, dtype=torch.long)) == 2
     assert common_prefix_length(torch.tensor([[4, 5, 6], [3, 5, 6]]), torch.ones(2, 3, dtype=torch.long)) == 0
+
+
+def test_rows_run_as_one_state_while_they_agree_and_split_when_their_draws_differ():
+    """Groups of four identical prompts: at the first step rows 0-1 and 2-3 of each group draw different tokens (by
+    their place in the batch, as independent draws may), after that every row takes its argmax. With sharing the model
+    runs one row per group, then two per group (the states split, their caches copied), and the completions and every
+    row's logits at every step equal those of the loop run on every row whole."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, seed=7).eval()
+    ids, mask = prompts(tok, ["hello there", "hi", "what is 2 + 2?"], 4)
+    eos = tok.eos_token_id
+    vocab = model.config.vocab_size
+
+    def run(share):
+        seen, shapes = [], []
+
+        def choose(seqs, logits):
+            seen.append(logits.clone())
+            if len(seen) == 1:  # the first step: the pair (0, 1) of a group draws one token, the pair (2, 3) another
+                pair = (torch.arange(logits.shape[0]) // 2) % 2
+                return torch.where(pair == 0, 5, 6 + (seqs[:, -1] % 3))
+            scores = logits.clone()
+            scores[:, eos] = float("-inf")  # no row ends: every state lives to the end
+            return scores.argmax(-1)
+
+        hook = model.model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)),
+                                                     with_kwargs=True)
+        out = decode(model, ids, mask, max_new_tokens=5, eos_ids=[eos], pad_id=tok.pad_token_id, choose=choose,
+                     group=4, share_prompt=share)
+        hook.remove()
+        return out, seen, shapes
+
+    whole, whole_logits, whole_shapes = run(False)
+    shared, shared_logits, shared_shapes = run(True)
+    assert torch.equal(shared, whole)
+    assert len(shared_logits) == len(whole_logits) == 5
+    for a, b in zip(shared_logits, whole_logits):
+        assert a.shape == b.shape == (12, vocab)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert [s[0] for s in whole_shapes[1:]] == [12] * 5
+    assert [s[0] for s in shared_shapes if s[1] == 1] == [3, 6, 6, 6, 6]  # a group, then its two halves
+    assert all(len(set(shared[i:i + 4, 0].tolist())) == 2 for i in range(0, 12, 4))  # each group's draws differed

@@ -57,10 +57,10 @@ def test_shared_prefill_gives_the_same_completions(g, lora):
     assert torch.equal(plain.completion_ids, shared.completion_ids)
     assert torch.equal(plain.completion_mask, shared.completion_mask)
     # tokens of the first two forwards (the decode loop, grpokit/rollout/decode.py): the prefill of every prompt row
-    # but its last token, then that token of every row; shared: each distinct prompt once, then the same
+    # but its last token, then that token of every row; shared: each distinct prompt once, and its last token once
     n, length = ids.shape
     assert plain_tokens == n * (length - 1) + n
-    assert shared_tokens == (plain_tokens if g == 1 else (n // g) * (length - 1) + n)
+    assert shared_tokens == (plain_tokens if g == 1 else (n // g) * length)
 
 
 def test_shared_prefill_with_max_batch_size_and_static_cache_fallback():
@@ -245,8 +245,9 @@ def test_cpu_sampling_uses_the_fast_sampler_unless_an_extra_needs_generate():
 
 @pytest.mark.parametrize("share", [False, True])
 def test_the_prefix_all_prompts_begin_with_is_shared_only_when_prompts_are(share):
-    """``share_prompt_prefill`` governs every prompt sharing of the decode loop: on, a system turn all prompts begin
-    with is encoded once for the call; off, every row is encoded whole. The completions are the same either way."""
+    """``share_prompt_prefill`` governs every sharing of the decode loop: on, a system turn all prompts begin
+    with is encoded once for the call and a group's rows run as one while they agree; off, every row is run whole.
+    The completions are the same either way."""
     tok = tiny_tokenizer()
     model = tiny_model(tok, seed=4)
     ids, mask = _prompts(tok, ["you are a careful assistant. " + q for q in ["hello there", "hi", "what is 2 + 2?"]],
@@ -264,7 +265,8 @@ def test_the_prefix_all_prompts_begin_with_is_shared_only_when_prompts_are(share
         assert forwards[1] == (n // 2, length - 1 - prefix)  # each distinct prompt's rest, once
     else:
         assert forwards[0] == (n, length - 1)  # every row whole
-    assert all(f == (n, 1) for f in forwards[-4:])
+    # greedy: a group's two rows draw the same tokens, so shared they stay one state, one row of every decode forward
+    assert all(f == (n // 2 if share else n, 1) for f in forwards[-4:])
     other = TransformersRollout(tok, share_prompt_prefill=not share).generate(
         model, ids, mask, SamplingParams(max_new_tokens=4, do_sample=False, extra={"min_new_tokens": 4}))
     assert torch.equal(out.completion_ids, other.completion_ids)
