@@ -186,52 +186,76 @@ turn): 2 prompts × 4 completions of 48 tokens (5.5% saved) 3.10 → 3.21 s; 8 �
 3.77 → 3.21 s."""
 
 
-def _prefix_pays(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g: int, completion_len: int) -> bool:
-    uniq_ids, uniq_mask = prompt_ids[::g], prompt_mask[::g]
-    length = common_prefix_length(uniq_ids, uniq_mask)
-    total = uniq_ids.numel() + prompt_ids.shape[0] * completion_len
-    return length >= MIN_SHARED_PREFIX and (uniq_ids.shape[0] - 1) * length >= PREFIX_MIN_SAVED * total
+def _prefix_pays(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: int, completion_len: int) -> bool:
+    """For distinct prompts ``prompt_ids`` continued by ``rows`` completions of ``completion_len`` tokens."""
+    length = common_prefix_length(prompt_ids, prompt_mask)
+    total = prompt_ids.numel() + rows * completion_len
+    return length >= MIN_SHARED_PREFIX and (prompt_ids.shape[0] - 1) * length >= PREFIX_MIN_SAVED * total
 
 
-def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g: int,
-                               aux: list | None = None, vision=None, positions: torch.Tensor | None = None,
-                               dtypes: list | None = None):
-    """The head inputs (B, C, D) for predicting each completion token, with every prompt encoded once for its
-    group of ``g`` identical consecutive rows (:func:`grpokit.prefix.encode_once_per_group`) — and, without images,
-    the tokens all the chunk's prompts begin with (a chat template's system turn) once for the chunk
-    (:func:`grpokit.prefix.encode_common_prefix_once`) — then a forward over the completion tokens only. The same
-    numbers as encoding every row, up to float rounding; None when a forward does not fit. ``vision``: the rows'
-    image tensors (a VLM), given to the prompt forward of each group's first row only; ``positions``: the whole
-    rows' position ids (:func:`grpokit.prefix.forward_position_ids`), sliced for both forwards."""
+def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                               owner: torch.Tensor, aux: list | None = None, vision=None,
+                               positions: torch.Tensor | None = None, dtypes: list | None = None):
+    """The head inputs (B, C, D) for predicting each completion token, with each distinct prompt encoded once for
+    the rows that continue it — ``owner`` (B,): non-decreasing, rows with the same value have the same prompt — and,
+    without images, the tokens all the chunk's prompts begin with (a chat template's system turn) once for the chunk
+    (:func:`grpokit.prefix.encode_common_prefix_once`); then a forward over the completion tokens only, from the
+    prompts' cache selected for the rows. The same numbers as encoding every row, up to float rounding; None when a
+    forward does not fit. ``vision``: the rows' image tensors (a VLM), given to the prompt forward of each prompt's
+    first row only; ``positions``: the whole rows' position ids (:func:`grpokit.prefix.forward_position_ids`),
+    sliced for both forwards."""
     c, p = completion_ids.shape[1], prompt_ids.shape[1]
     mask = torch.cat([prompt_mask, completion_mask], 1)
     if positions is None:
         positions = position_ids_from_mask(mask)
+    counts = torch.unique_consecutive(owner, return_counts=True)[1]
+    firsts = counts.cumsum(0) - counts  # each distinct prompt's first row
+    uniq_ids, uniq_mask = prompt_ids[firsts], prompt_mask[firsts]
     shared = None
-    if vision is None and _prefix_pays(prompt_ids, prompt_mask, g, c):
-        # the tokens every prompt begins with (a system turn) once for the chunk, the rests once per group
+    if vision is None and _prefix_pays(uniq_ids, uniq_mask, owner.shape[0], c):
+        # the tokens every prompt begins with (a system turn) once for the chunk, the rests once per prompt
         shared = encode_common_prefix_once(
-            inner_causal_lm(model), prompt_ids, prompt_mask, g,
+            inner_causal_lm(model), uniq_ids, uniq_mask,
             forward=lambda ids, m, cache, pos: _head_inputs(model, head, ids, m, 1, cache=cache, position_ids=pos,
                                                             aux=aux, dtypes=dtypes))
     if shared is not None:
         cache, _, laid_out_mask, last = shared  # the cache's columns: the prefix, then each row's padding and rest
-        mask = torch.cat([laid_out_mask, completion_mask], 1)
+        mask = torch.cat([laid_out_mask[owner], completion_mask], 1)
     else:
-        uniq_positions = positions[..., ::g, :p]
-        uniq_extra = vision.select(range(0, prompt_ids.shape[0], g)).model_kwargs(p) if vision is not None else None
+        uniq_positions = positions[..., firsts, :p]
+        uniq_extra = vision.select(firsts.tolist()).model_kwargs(p) if vision is not None else None
         cache, last = encode_once_per_group(  # `last` predicts completion token 0
-            inner_causal_lm(model), prompt_ids, prompt_mask, g,
+            inner_causal_lm(model), uniq_ids, uniq_mask, 1,
             forward=lambda ids, m, cache: _head_inputs(model, head, ids, m, 1, cache=cache,
                                                        position_ids=uniq_positions, aux=aux, extra=uniq_extra,
                                                        dtypes=dtypes))
     if last is None:
         return None
+    cache.batch_select_indices(owner)  # autograd sums the rows' gradients back onto their prompt's encoding
     rest = _head_inputs(model, head, completion_ids, mask, c, cache=cache, position_ids=positions[..., p:], aux=aux,
                         dtypes=dtypes)
     if rest is None:
         return None
-    return torch.cat([last.repeat_interleave(g, 0), rest[:, :-1]], 1)
+    return torch.cat([last[owner], rest[:, :-1]], 1)
+
+
+def distinct_rows(owner: torch.Tensor, completion_ids: torch.Tensor,
+                  completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(kept, inverse)``: rows that continue the same prompt (``owner``, non-decreasing) with the same completion
+    are one forward — a confident policy's group often holds the same reply several times — so ``kept`` are the first
+    row of each distinct (prompt, completion), in row order, and ``inverse`` (B,) each row's place among them. None
+    when every row is distinct."""
+    key = torch.cat([owner.unsqueeze(1), completion_ids * completion_mask, completion_mask], 1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)  # sorted: by owner first
+    if distinct.shape[0] == key.shape[0]:
+        return None
+    rows = torch.arange(key.shape[0], device=key.device)
+    kept = torch.full((distinct.shape[0],), key.shape[0], dtype=torch.long, device=key.device)
+    kept = kept.scatter_reduce(0, inverse, rows, "amin")
+    order = kept.argsort()  # row order (owner stays non-decreasing: groups are consecutive rows)
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.shape[0], device=key.device)
+    return kept[order], place[inverse]
 
 
 def completion_logps(
@@ -295,19 +319,29 @@ def completion_logps(
 
 def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, share: bool,
                 temperature: float, compute_entropy: bool, entropy_grad: bool, aux: list | None, vision=None):
-    """Log-probs and entropies of one chunk of rows from the head's inputs; None when the model does not fit."""
+    """Log-probs and entropies of one chunk of rows from the head's inputs; None when the model does not fit.
+
+    With ``share``, rows that come as groups of one prompt encode it once (:func:`_shared_prompt_head_inputs`), and
+    rows of a group with the same completion (:func:`distinct_rows`) are one row of the forward and the head, their
+    values given to each (autograd sums their gradients)."""
     c = completion_ids.shape[1]
-    valid = completion_mask.bool()
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     extra = vision.model_kwargs(prompt_ids.shape[1], c) if vision is not None else None
     positions = forward_position_ids(model, ids, mask, extra)
-    hidden = None
-    dtypes: list[torch.dtype] = []  # the dtype the head would have run in, seen inside the model's forward
     # the same question about another picture is another prompt
     g = group_size(prompt_ids, prompt_mask, vision.equal_to_previous() if vision is not None else None) if share else 1
-    if g > 1:
-        hidden = _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, g,
-                                            aux=aux, vision=vision, positions=positions, dtypes=dtypes)
+    owner = torch.arange(prompt_ids.shape[0], device=prompt_ids.device) // g if g > 1 else None
+    rows = distinct_rows(owner, completion_ids, completion_mask) if owner is not None and vision is None else None
+    if rows is not None:
+        kept, inverse = rows
+        prompt_ids, prompt_mask, completion_ids, completion_mask, ids, mask, owner = (
+            t[kept] for t in (prompt_ids, prompt_mask, completion_ids, completion_mask, ids, mask, owner))
+        positions = positions[..., kept, :]
+    hidden = None
+    dtypes: list[torch.dtype] = []  # the dtype the head would have run in, seen inside the model's forward
+    if owner is not None:
+        hidden = _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                            owner, aux=aux, vision=vision, positions=positions, dtypes=dtypes)
     if hidden is None:
         if aux:
             aux.clear()
@@ -316,6 +350,16 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
         hidden = hidden[:, :-1] if hidden is not None else None
     if hidden is None:
         return None
+    logps, ents = _head_logps(head, hidden, completion_ids, completion_mask.bool(), dtypes, temperature,
+                              compute_entropy, entropy_grad)
+    if rows is None:
+        return logps, ents
+    return logps[inverse], (ents[inverse] if ents is not None else None)
+
+
+def _head_logps(head, hidden, completion_ids, valid, dtypes, temperature: float, compute_entropy: bool,
+                entropy_grad: bool):
+    """Log-probs and entropies (B, C) from the head inputs (B, C, D), 0 where ``valid`` is False."""
     hidden = hidden[valid]
     # the blocks run in the dtype the forward ran the model in (its autocast: accelerate's for bf16=True), forward and
     # recomputed backward; float32 for a head cast there (cast_lm_head_to_fp32)

@@ -97,7 +97,8 @@ def encode_once_per_group(
                     cache=cache, use_cache=True, logits_to_keep=1)
     else:
         out = forward(uniq_ids, uniq_mask, cache)
-    cache.batch_repeat_interleave(g)
+    if g > 1:
+        cache.batch_repeat_interleave(g)
     return cache, out
 
 

@@ -226,11 +226,27 @@ def _prefixed_grouped_batch(tok, g=3, prefix=5, own=(2, 4, 3), c=6, seed=0):
     return prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0), completion_ids, completion_mask
 
 
+def _repeat_completions(batch, groups):
+    """Completions repeated inside groups (a confident policy's replies): in each of ``groups`` groups of three rows
+    the third row takes the first's completion; row 1 takes row 0's tokens under its own shorter mask (another
+    completion); rows 3 and 5 take row 0's (row 3 has another prompt: not the same row, but row 5 repeats it). Returns
+    the batch and how many rows are distinct: two a group."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = (t.clone() for t in batch)
+    completion_ids[0, 3:] = 0  # token id 0, valid in row 0 and hidden by row 1's mask: the masks tell them apart
+    for start in range(0, 3 * groups, 3):
+        completion_ids[start + 2], completion_mask[start + 2] = completion_ids[start], completion_mask[start]
+    completion_ids[1] = completion_ids[0]
+    completion_ids[3], completion_mask[3] = completion_ids[0], completion_mask[0]
+    completion_ids[5], completion_mask[5] = completion_ids[3], completion_mask[3]
+    return (prompt_ids, prompt_mask, completion_ids, completion_mask), 2 * groups
+
+
 @pytest.mark.parametrize("lora", [False, True])
-@pytest.mark.parametrize("prefixed", [False, True])
-def test_shared_prompts_equal_encoding_every_row(lora, prefixed):
+@pytest.mark.parametrize("prefixed,repeated", [(False, False), (True, False), (False, True), (True, True)])
+def test_shared_prompts_equal_encoding_every_row(lora, prefixed, repeated):
     """Each prompt once for its group; with ``prefixed`` prompts (a system turn all begin with) that prefix once for
-    the batch, its gradient summed by autograd: log-probs, entropies and every gradient equal the unshared forward."""
+    the batch, its gradient summed by autograd; with ``repeated`` completions (the same reply twice in a group) each
+    distinct (prompt, completion) once: log-probs, entropies and every gradient equal the unshared forward."""
     tok = tiny_tokenizer()
     model = tiny_model(tok, tie=False).double()
     if lora:
@@ -238,6 +254,9 @@ def test_shared_prompts_equal_encoding_every_row(lora, prefixed):
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                            lora_dropout=0.0, init_lora_weights=False))
     batch = _prefixed_grouped_batch(tok) if prefixed else _grouped_batch(tok)
+    rows = batch[0].shape[0]
+    if repeated:
+        batch, rows = _repeat_completions(batch, groups=3 if prefixed else 2)
     forwards = []
     inner = model.get_base_model() if lora else model
     inner.model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape), with_kwargs=True)
@@ -251,10 +270,10 @@ def test_shared_prompts_equal_encoding_every_row(lora, prefixed):
         out[share] = (lp.detach(), ent.detach(), _grads(model), list(forwards))
     (lp, ent, grads, fw), (lp_ref, ent_ref, grads_ref, fw_ref) = out[True], out[False]
     (n, p), c = batch[0].shape, batch[2].shape[1]
-    if prefixed:  # the prefix once, each prompt's rest once, then only the completions
-        assert fw == [(1, 5), (3, p - 5), (n, c)] and fw_ref == [(n, p + c)]
-    else:  # each prompt once, then only the completions
-        assert fw == [(2, p), (n, c)] and fw_ref == [(n, p + c)]
+    if prefixed:  # the prefix once, each prompt's rest once, then only the distinct completions
+        assert fw == [(1, 5), (3, p - 5), (rows, c)] and fw_ref == [(n, p + c)]
+    else:  # each prompt once, then only the distinct completions
+        assert fw == [(2, p), (rows, c)] and fw_ref == [(n, p + c)]
     torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-10)
     torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-10)
     assert grads.keys() == grads_ref.keys() and grads
