@@ -279,8 +279,9 @@ def completion_logps(
     Rows are processed ``batch_size`` at a time (all at once when None). Gradients flow when enabled by the
     caller. Positions where ``completion_mask`` is 0 get 0. ``lean=False`` forces the plain (logits) path.
     ``share_prompts``: rows that come as groups of identical consecutive prompts (the ``G`` completions of a
-    prompt) encode their prompt once per group, on the lean path, when the model allows it (see
-    :func:`_shares_prompts`): less compute and activation memory in the forward and the backward.
+    prompt) encode their prompt once per group, and rows of a group with the same completion run once
+    (:func:`distinct_rows`), on the lean path, when the model allows it (see :func:`_shares_prompts`): less compute and
+    activation memory in the forward and the backward.
     ``aux_losses``: a list that receives the MoE load-balancing loss of every forward (Mixture-of-Experts models).
     ``vision``: the prompts' image tensors (:class:`grpokit.vision.VisionInputs`, one row per prompt row) for a
     vision-language model: every forward gets them, and positions are the model's own (M-RoPE); rows share a prompt

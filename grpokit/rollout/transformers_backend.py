@@ -154,8 +154,8 @@ class TransformersRollout:
 
     ``share_prompt_prefill``: when the rows come as groups of ``G`` identical prompts, each prompt is encoded
     once and its KV cache repeated ``G`` times instead of being prefilled ``G`` times, and in the decode loop the
-    tokens all prompts begin with (a chat template's system turn) are encoded once for the call (sampling is
-    unchanged: the same tokens come out up to float rounding of the prefill).
+    tokens all prompts begin with (a chat template's system turn) are encoded once for the call and a group's rows run
+    as one while they draw the same tokens (sampling is unchanged: the same tokens come out up to float rounding).
 
     ``decode_loop``: on a CPU, sample with :func:`grpokit.rollout.decode.decode` — the same model forward and
     distribution, finished rows dropped from the batch — wherever it applies (else ``generate``).
