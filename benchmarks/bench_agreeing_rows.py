@@ -9,9 +9,11 @@ between the two checkouts:
 * ``generate``: ``--prompts`` training questions × 4, sampled as the demo samples (temperature 0.9, top-k 50, up to
   32 new tokens), inside one generation batch (the adapter merged and the weights packed once);
 * ``train``: the forward and backward of the log-probs of the first 8 groups of those samples whose correctness
-  differs (the groups dynamic sampling keeps), ``per_device_train_batch_size`` 32.
+  differs (the groups dynamic sampling keeps), ``per_device_train_batch_size`` 32; ``--long-rows N``: N of those
+  rows (one per group) replaced by 30 random tokens, as a confident policy's occasional ramble pads the batch.
 
     python benchmarks/bench_agreeing_rows.py --adapter runs/demo/final --before ../grpokit-before
+    python benchmarks/bench_agreeing_rows.py --adapter runs/demo/final --before ../grpokit-before --long-rows 2
 
 Prints one line per run and the medians; RESULTS.md holds what was measured with it.
 """
@@ -30,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(adapter: str, prompts: int, repeats: int) -> dict:
+def child(adapter: str, prompts: int, repeats: int, long_rows: int = 0) -> dict:
     import torch
     from peft import PeftModel
 
@@ -63,6 +65,14 @@ def child(adapter: str, prompts: int, repeats: int) -> dict:
     kept = [i for i in range(prompts) if right[i].std() > 0][:8]
     idx = torch.tensor([4 * i + j for i in kept for j in range(4)])
     batch = (enc["input_ids"][idx], enc["attention_mask"][idx], gen.completion_ids[idx], gen.completion_mask[idx])
+    if long_rows:
+        width = 30
+        ids = torch.nn.functional.pad(batch[2], (0, width - batch[2].shape[1]), value=tok.pad_token_id)
+        mask = torch.nn.functional.pad(batch[3], (0, width - batch[3].shape[1]))
+        noise = torch.Generator().manual_seed(1)
+        for row in range(1, 1 + 4 * long_rows, 4):
+            ids[row], mask[row] = torch.randint(100, 1000, (width,), generator=noise), 1
+        batch = (batch[0], batch[1], ids, mask)
     out["kept_groups"] = len(kept)
     out["distinct_rows"] = len({(i // 4, tuple(batch[2][i].tolist())) for i in range(len(idx))})
     model.train()
@@ -82,10 +92,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats of each part in a run")
     ap.add_argument("--runs", type=int, default=2, help="alternated runs per side")
+    ap.add_argument("--long-rows", type=int, default=0, help="rows of the training batch made 30 tokens long")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.adapter, args.prompts, args.repeats)))
+        print(json.dumps(child(args.adapter, args.prompts, args.repeats, args.long_rows)))
         return
     if not args.before:
         ap.error("--before is required: a checkout of grpokit to compare with")
@@ -95,7 +106,7 @@ def main() -> None:
         for side, src in sides.items():
             env = dict(os.environ, PYTHONPATH=src)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--adapter", args.adapter,
-                   "--prompts", str(args.prompts), "--repeats", str(args.repeats)]
+                   "--prompts", str(args.prompts), "--repeats", str(args.repeats), "--long-rows", str(args.long_rows)]
             done = subprocess.run(cmd, env=env, cwd=src, capture_output=True, text=True, check=True)
             res = json.loads(done.stdout.strip().splitlines()[-1])
             results[side].append(res)

@@ -296,7 +296,8 @@ def test_a_prefix_too_small_a_share_of_the_positions_is_not_encoded_apart():
     long = _prefixed_grouped_batch(tok, c=40)
     with torch.no_grad():
         completion_logps(model, *long)
-    assert forwards == [(3, long[0].shape[1]), (9, 40)]
+    # each prompt whole, then the completions in two buckets: the rows of 2 and 0 tokens, the seven of 40
+    assert forwards == [(3, long[0].shape[1]), (2, 2), (7, 40)]
 
 
 def test_prompts_are_not_shared_with_dropout_or_checkpointing():
@@ -322,3 +323,45 @@ def test_prompts_are_not_shared_with_dropout_or_checkpointing():
     forwards.clear()
     completion_logps(model, *batch)
     assert len(forwards) == 1
+
+
+@pytest.mark.parametrize("overhead", [0, 10_000])
+def test_completions_run_in_buckets_of_similar_length(monkeypatch, overhead):
+    """Replies of 1 to 12 tokens in groups of three: with no cost for another forward every distinct length is a
+    bucket of its own, each run only as long as its longest row; with a prohibitive one, one bucket as long as the
+    longest reply. Log-probs, entropies and every gradient equal the unshared forward either way."""
+    import grpokit.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "BUCKET_OVERHEAD", overhead)
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, tie=False).double()
+    prompt_ids, prompt_mask, _, _ = _prefixed_grouped_batch(tok)
+    gen = torch.Generator().manual_seed(3)
+    completion_ids = torch.randint(10, len(tok), (9, 14), generator=gen)
+    lengths = torch.tensor([12, 2, 2, 5, 12, 1, 5, 2, 0])  # the padded width (14) is longer than any reply
+    completion_mask = (torch.arange(14) < lengths.unsqueeze(1)).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    forwards = []
+    model.model.register_forward_pre_hook(lambda m, a, k: forwards.append(tuple(k["input_ids"].shape)),
+                                          with_kwargs=True)
+    out = {}
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        forwards.clear()
+        lp, ent = completion_logps(model, *batch, temperature=0.8, entropy_grad=True, share_prompts=share)
+        w = torch.linspace(-1, 1, lp.numel()).reshape(lp.shape).double()
+        ((lp * w).sum() + (ent * w.flip(-1)).sum()).backward()
+        out[share] = (lp.detach(), ent.detach(), _grads(model), list(forwards))
+    (lp, ent, grads, fw), (lp_ref, ent_ref, grads_ref, _) = out[True], out[False]
+    assert fw[0] == (3, prompt_ids.shape[1])  # each prompt once (the system turn saves too little here)
+    completion_forwards = sorted(fw[1:], key=lambda shape: shape[1])
+    if overhead == 0:  # lengths 1 (rows 5 and 8: an empty reply runs one position), 2, 5, 12
+        assert completion_forwards == [(2, 1), (3, 2), (2, 5), (2, 12)]
+    else:
+        assert completion_forwards == [(9, 12)]
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-10)
+    assert grads.keys() == grads_ref.keys() and grads
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-6, msg=name)
