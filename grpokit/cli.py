@@ -37,6 +37,7 @@ DEMO_SPEC: dict[str, Any] = {
     "top_k": 50,
     "dynamic_sampling": True,
     "dynamic_sampling_oversample": 4,
+    "dynamic_sampling_explore_prob": 0.5,
     "scale_rewards": "batch",
     "ema_decay": 0.9,
     "beta": 0.0,
@@ -50,13 +51,14 @@ DEMO_SPEC: dict[str, Any] = {
 }
 """The demo: LoRA on the embedded SmolLM2-135M, the arithmetic task, 8 questions × 4 completions a step with DAPO's
 dynamic sampling (an extra round asks for up to 4× the batch's questions, as many as the share of groups kept so far
-says are needed; the first round is sized by the last batch's keep rate), advantages scaled by the batch's reward
-spread (``scale_rewards`` "batch": a group that differs only in the 0.2 format reward gets a fifth of a correctness
-group's advantage, not the same), learning rate 5e-4 after a linear warmup over 10 steps (without it some seeds
-collapse onto one answer in the first steps), sampling at temperature 0.9 among the 50 likeliest tokens, the trained
-weights averaged (``ema_decay`` 0.9: what is evaluated and saved), held-out accuracy every 10 steps (the 128 questions
-generated together); 5-20 s a step on a 2-core CPU with bf16 units (5-9 s with AMX). docs/demo.md has the recipe
-search behind it and the measured runs."""
+says are needed; the first round is sized by the last batch's keep rate; a question whose last ``z`` groups all scored
+alike is asked again with probability 0.5**z, skipped otherwise: GRESO's pre-rollout filter), advantages scaled by the
+batch's reward spread (``scale_rewards`` "batch": a group that differs only in the 0.2 format reward gets a fifth of a
+correctness group's advantage, not the same), learning rate 5e-4 after a linear warmup over 10 steps (without it some
+seeds collapse onto one answer in the first steps), sampling at temperature 0.9 among the 50 likeliest tokens, the
+trained weights averaged (``ema_decay`` 0.9: what is evaluated and saved), held-out accuracy every 10 steps (the 128
+questions generated together); 5-20 s a step on a 2-core CPU with bf16 units (5-9 s with AMX). docs/demo.md has the
+recipe search behind it and the measured runs."""
 
 
 def demo_spec(algo: str) -> dict[str, Any]:
