@@ -226,6 +226,23 @@ def _prefixed_grouped_batch(tok, g=3, prefix=5, own=(2, 4, 3), c=6, seed=0):
     return prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0), completion_ids, completion_mask
 
 
+def _shared_and_unshared(model, batch, hooked):
+    """``{share: (log-probs, entropies, gradients, forward shapes)}`` for ``share_prompts`` on and off: a loss of
+    both outputs, weighted unevenly, backpropagated; ``hooked``: the module whose forward inputs are recorded."""
+    forwards, out = [], {}
+    handle = hooked.register_forward_pre_hook(lambda m, a, k: forwards.append(tuple(k["input_ids"].shape)),
+                                              with_kwargs=True)
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        forwards.clear()
+        lp, ent = completion_logps(model, *batch, temperature=0.8, entropy_grad=True, share_prompts=share)
+        w = torch.linspace(-1, 1, lp.numel()).reshape(lp.shape).double()
+        ((lp * w).sum() + (ent * w.flip(-1)).sum()).backward()
+        out[share] = (lp.detach(), ent.detach(), _grads(model), list(forwards))
+    handle.remove()
+    return out
+
+
 def _repeat_completions(batch, groups):
     """Completions repeated inside groups (a confident policy's replies): in each of ``groups`` groups of three rows
     the third row takes the first's completion; row 1 takes row 0's tokens under its own shorter mask (another
@@ -257,17 +274,8 @@ def test_shared_prompts_equal_encoding_every_row(lora, prefixed, repeated):
     rows = batch[0].shape[0]
     if repeated:
         batch, rows = _repeat_completions(batch, groups=3 if prefixed else 2)
-    forwards = []
     inner = model.get_base_model() if lora else model
-    inner.model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape), with_kwargs=True)
-    out = {}
-    for share in (True, False):
-        model.zero_grad(set_to_none=True)
-        forwards.clear()
-        lp, ent = completion_logps(model, *batch, temperature=0.8, entropy_grad=True, share_prompts=share)
-        w = torch.linspace(-1, 1, lp.numel()).reshape(lp.shape).double()
-        ((lp * w).sum() + (ent * w.flip(-1)).sum()).backward()
-        out[share] = (lp.detach(), ent.detach(), _grads(model), list(forwards))
+    out = _shared_and_unshared(model, batch, inner.model)
     (lp, ent, grads, fw), (lp_ref, ent_ref, grads_ref, fw_ref) = out[True], out[False]
     (n, p), c = batch[0].shape, batch[2].shape[1]
     if prefixed:  # the prefix once, each prompt's rest once, then only the distinct completions
@@ -342,17 +350,7 @@ def test_completions_run_in_buckets_of_similar_length(monkeypatch, overhead):
     completion_mask = (torch.arange(14) < lengths.unsqueeze(1)).long()
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
     batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-    forwards = []
-    model.model.register_forward_pre_hook(lambda m, a, k: forwards.append(tuple(k["input_ids"].shape)),
-                                          with_kwargs=True)
-    out = {}
-    for share in (True, False):
-        model.zero_grad(set_to_none=True)
-        forwards.clear()
-        lp, ent = completion_logps(model, *batch, temperature=0.8, entropy_grad=True, share_prompts=share)
-        w = torch.linspace(-1, 1, lp.numel()).reshape(lp.shape).double()
-        ((lp * w).sum() + (ent * w.flip(-1)).sum()).backward()
-        out[share] = (lp.detach(), ent.detach(), _grads(model), list(forwards))
+    out = _shared_and_unshared(model, batch, model.model)
     (lp, ent, grads, fw), (lp_ref, ent_ref, grads_ref, _) = out[True], out[False]
     assert fw[0] == (3, prompt_ids.shape[1])  # each prompt once (the system turn saves too little here)
     completion_forwards = sorted(fw[1:], key=lambda shape: shape[1])
