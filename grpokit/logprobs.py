@@ -290,21 +290,17 @@ def length_buckets(lengths: torch.Tensor, overhead: int = BUCKET_OVERHEAD, candi
 
 def distinct_rows(owner: torch.Tensor, completion_ids: torch.Tensor,
                   completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(kept, inverse)``: rows that continue the same prompt (``owner``, non-decreasing) with the same completion
-    are one forward — a confident policy's group often holds the same reply several times — so ``kept`` are the first
-    row of each distinct (prompt, completion), in row order, and ``inverse`` (B,) each row's place among them. None
-    when every row is distinct."""
+    """``(kept, inverse)``: rows that continue the same prompt (``owner``) with the same completion are one forward —
+    a confident policy's group often holds the same reply several times — so ``kept`` holds a row of each distinct
+    (prompt, completion), ordered by prompt (``owner[kept]`` is non-decreasing: each prompt's rows stay together), and
+    ``inverse`` (B,) each row's place among them. None when every row is distinct."""
     key = torch.cat([owner.unsqueeze(1), completion_ids * completion_mask, completion_mask], 1)
     distinct, inverse = torch.unique(key, dim=0, return_inverse=True)  # sorted: by owner first
     if distinct.shape[0] == key.shape[0]:
         return None
-    rows = torch.arange(key.shape[0], device=key.device)
-    kept = torch.full((distinct.shape[0],), key.shape[0], dtype=torch.long, device=key.device)
-    kept = kept.scatter_reduce(0, inverse, rows, "amin")
-    order = kept.argsort()  # row order (owner stays non-decreasing: groups are consecutive rows)
-    place = torch.empty_like(order)
-    place[order] = torch.arange(order.shape[0], device=key.device)
-    return kept[order], place[inverse]
+    kept = torch.empty(distinct.shape[0], dtype=torch.long, device=key.device)
+    kept[inverse] = torch.arange(key.shape[0], device=key.device)  # any row of each (they are equal)
+    return kept, inverse
 
 
 def completion_logps(
