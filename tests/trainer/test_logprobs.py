@@ -2,9 +2,13 @@
 
 import pytest
 import torch
+from conftest import FixedRollout
+from runs import chat_dataset, make_args, params_of, varied_reward
 from tiny import tiny_model, tiny_tokenizer
 
+import grpokit.logprobs as logprobs
 from grpokit.logprobs import completion_logps, lean_head, linear_logps_and_entropy
+from grpokit.trainer import GRPOTrainer
 
 
 def _plain(h, w, t, b=None, tau=1.0):
@@ -338,8 +342,6 @@ def test_completions_run_in_buckets_of_similar_length(monkeypatch, overhead):
     """Replies of 1 to 12 tokens in groups of three: with no cost for another forward every distinct length is a
     bucket of its own, each run only as long as its longest row; with a prohibitive one, one bucket as long as the
     longest reply. Log-probs, entropies and every gradient equal the unshared forward either way."""
-    import grpokit.logprobs as logprobs
-
     monkeypatch.setattr(logprobs, "BUCKET_OVERHEAD", overhead)
     tok = tiny_tokenizer()
     model = tiny_model(tok, tie=False).double()
@@ -363,3 +365,54 @@ def test_completions_run_in_buckets_of_similar_length(monkeypatch, overhead):
     assert grads.keys() == grads_ref.keys() and grads
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+class _RepeatingRollout:
+    """:class:`FixedRollout`'s completions with rows 1 and 2 of every group of four repeating row 0 (a confident
+    policy's group), of several lengths (EOS at random places)."""
+
+    def __init__(self, tokenizer):
+        self.inner = FixedRollout(tokenizer, seed=3)
+
+    def generate(self, model, prompt_ids, prompt_mask, params):
+        out = self.inner.generate(model, prompt_ids, prompt_mask, params)
+        for t in (out.completion_ids, out.completion_mask, out.is_truncated):
+            for copy in (1, 2):
+                t[copy::4] = t[0::4]
+        return out
+
+    def sync_weights(self, model):
+        return None
+
+
+def test_repeated_completions_train_as_every_row_through_the_trainer(tmp_path, monkeypatch):
+    """GRPOTrainer, two SGD steps on groups holding the same reply three times: with the CPU's sharing (each prompt
+    once, each distinct reply once, replies in buckets by length: no cost counted for another forward, so every
+    length is a bucket) every parameter moves as with one forward per row."""
+    monkeypatch.setattr(logprobs, "BUCKET_OVERHEAD", 0)
+    buckets = []
+    real_buckets = logprobs.length_buckets
+    monkeypatch.setattr(logprobs, "length_buckets", lambda *a: buckets.append(b := real_buckets(*a)) or b)
+    kept = []
+    real = logprobs.distinct_rows
+    monkeypatch.setattr(logprobs, "distinct_rows", lambda *a: kept.append(r := real(*a)) or r)
+    updates, losses = {}, {}
+    for share in (True, False):
+        monkeypatch.setattr(logprobs, "SHARE_PROMPTS_ON", ("cpu",) if share else ())
+        tok = tiny_tokenizer()
+        model = tiny_model(tok, seed=1)
+        before = params_of(model)
+        args = make_args(tmp_path / str(share), per_device_train_batch_size=8, optim="sgd", learning_rate=0.5,
+                         max_grad_norm=0.0, shuffle_dataset=False)
+        trainer = GRPOTrainer(model, varied_reward, args=args, train_dataset=chat_dataset(), processing_class=tok,
+                              rollout_backend=_RepeatingRollout(tok))
+        trainer.train()
+        updates[share] = {n: p - before[n] for n, p in params_of(model).items()}
+        losses[share] = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    assert kept and all(k is not None and len(k[0]) <= 4 for k in kept)  # 8 rows, at most 2 distinct a group
+    assert any(len(b) > 1 for b in buckets)
+    scale = max(u.abs().max().item() for u in updates[False].values())
+    assert scale > 1e-3
+    for n, u in updates[False].items():
+        assert (updates[True][n] - u).abs().max().item() <= 1e-5 * scale, n
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-7)
