@@ -50,19 +50,21 @@ def decodes(model: torch.nn.Module | None, params: SamplingParams) -> bool:
                for layer in getattr(cache, "layers", [None]))
 
 
-def token_chooser(params: SamplingParams, sampler=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``choose(sequences, logits) -> tokens``: the repetition penalty (when set), then either ``sampler`` (the
-    backend's :class:`grpokit.rollout.transformers_backend.InverseCDFSampler`: the warpers and one draw) or the
-    argmax (greedy), as ``generate`` orders them."""
+def token_chooser(params: SamplingParams, sampler=None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                                       torch.Tensor]:
+    """``choose(sequences, logits, owner) -> tokens``: ``sequences`` and ``logits`` one row per decode state, ``owner``
+    (N,) each row's state, one token per row. The repetition penalty (when set), then either ``sampler`` (a
+    :class:`grpokit.rollout.sampling.InverseCDFSampler`: the warpers once per state, one draw per row) or the argmax
+    (greedy: every row of a state takes its argmax), as ``generate`` orders them."""
     processors = LogitsProcessorList()
     if params.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
 
-    def choose(sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def choose(sequences: torch.Tensor, logits: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
         scores = processors(sequences, logits) if processors else logits
         if sampler is not None:
-            scores = sampler(sequences, scores)
-        return scores.argmax(-1)
+            return sampler.draw(sequences, scores, owner)
+        return scores.argmax(-1)[owner]
 
     return choose
 
@@ -96,9 +98,9 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                        logits_to_keep=1).logits[:, -1].float()
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
-        if not _is_identity(owner, logits.shape[0]):
-            logits = logits[owner]  # each row draws its own token from its state's distribution
-        tokens = choose(sequences[rows, :p + t], logits)
+        one_each = _is_identity(owner, logits.shape[0])
+        state_rows = rows if one_each else rows.new_empty(logits.shape[0]).scatter_(0, owner, rows)  # any row of it
+        tokens = choose(sequences[state_rows, :p + t], logits, owner)  # each row its own draw from its state's
         out[rows, t] = tokens
         sequences[rows, p + t] = tokens
         running = ~torch.isin(tokens, eos)

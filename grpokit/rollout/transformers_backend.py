@@ -8,18 +8,15 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import GenerationConfig, LogitsProcessorList
 
 from ..prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
 from .decode import decode, decodes, token_chooser
 from .packed import packed_linears
+from .sampling import InverseCDFSampler, fast_sampler
+
+__all__ = ["InverseCDFSampler", "TransformersRollout", "fast_sampler", "lora_merged"]
 
 
 @contextlib.contextmanager
@@ -87,46 +84,6 @@ def contiguous_head_input(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         handle.remove()
-
-
-#: generation keyword arguments the fast sampler leaves to ``generate`` (processors that run in both of its modes)
-_SAMPLER_SAFE_EXTRA = {"min_new_tokens", "min_length", "suppress_tokens", "begin_suppress_tokens", "bad_words_ids",
-                       "no_repeat_ngram_size", "cache_implementation"}
-
-
-class InverseCDFSampler(LogitsProcessor):
-    """Sampling as the last logits processor of a greedy ``generate``: the warpers sampling would apply (temperature,
-    top-k, top-p, min-p: transformers' own classes, in its order), then one token drawn per row by inverse-CDF on the
-    float64 cumulative probabilities, and returned as the only finite score so that greedy's argmax picks it. The
-    distribution is transformers' exactly (a different random stream); the draw costs ~2 ms for 32 rows × 49k
-    tokens where ``torch.multinomial`` on a CPU draws one exponential per vocabulary entry (~35 ms, a quarter of a
-    decode step of SmolLM2-135M)."""
-
-    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float | None = None):
-        self.warpers = LogitsProcessorList()
-        if temperature != 1.0:
-            self.warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            self.warpers.append(TopKLogitsWarper(top_k=top_k))
-        if top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p=top_p))
-        if min_p is not None:
-            self.warpers.append(MinPLogitsWarper(min_p=min_p))
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)
-        cdf = probs.double().cumsum_(-1)
-        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
-
-
-def fast_sampler(params: SamplingParams, device: torch.device) -> InverseCDFSampler | None:
-    """The :class:`InverseCDFSampler` for ``params`` on a CPU (where ``torch.multinomial`` is slow), when nothing in
-    ``params.extra`` needs ``generate``'s own sampling mode; else None."""
-    if device.type != "cpu" or not params.do_sample or set(params.extra) - _SAMPLER_SAFE_EXTRA:
-        return None
-    return InverseCDFSampler(params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def _can_share(model: torch.nn.Module, config: GenerationConfig, prompt_len: int) -> bool:

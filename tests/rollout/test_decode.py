@@ -49,10 +49,10 @@ def decode_as_generate(model, tok, ids, mask, g, max_new_tokens, repetition_pena
                                            repetition_penalty=repetition_penalty))
     shapes, first_logits = [], []
 
-    def choose(seqs, logits):
+    def choose(seqs, logits, owner):
         if not first_logits:
-            first_logits.append(logits.clone())
-        return chooser(seqs, ender(seqs, logits))
+            first_logits.append(logits[owner].clone())
+        return chooser(seqs, ender(seqs, logits), owner)
 
     hook = model.model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)),
                                                  with_kwargs=True)
@@ -171,7 +171,8 @@ def test_rows_run_as_one_state_while_they_agree_and_split_when_their_draws_diffe
     def run(share):
         seen, shapes = [], []
 
-        def choose(seqs, logits):
+        def choose(seqs, logits, owner):
+            seqs, logits = seqs[owner], logits[owner]  # one per row
             seen.append(logits.clone())
             if len(seen) == 1:  # the first step: the pair (0, 1) of a group draws one token, the pair (2, 3) another
                 pair = (torch.arange(logits.shape[0]) // 2) % 2
