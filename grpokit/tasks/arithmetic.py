@@ -14,7 +14,8 @@ MAX_OPERAND = 20
 DESCRIPTION = (
     "Add or subtract two whole numbers from 0 to 20 (a + b, and a - b with a > b, so no answer is "
     "negative): 651 distinct questions, shuffled by the seed, the first n_eval held out. The user turn "
-    "is \"What is {a} {op} {b}? " + ANSWER_INSTRUCTION + "\". Rewards: correctness 1.0 when the number "
+    "is \"What is {a} {op} {b}? " + ANSWER_INSTRUCTION + "\" (instruction_first=True: the instruction, then the "
+    "question). Rewards: correctness 1.0 when the number "
     "after the last 'Answer:' is right, format 0.2 when the reply ends with 'Answer: <number>'. "
     "SmolLM2-135M-Instruct gets about 2% right greedily before training (docs/demo.md). order='easy_first' "
     "puts the training questions in order of their larger operand (a curriculum; with shuffle_dataset=False)."
@@ -42,17 +43,27 @@ def difficulty(question: tuple[int, str, int, int]) -> int:
     return max(a, b)
 
 
-def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128, order: str = "shuffled") -> Task:
+def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128, order: str = "shuffled",
+                         instruction_first: bool = False) -> Task:
     """The task; ``order`` only orders the training questions: ``"shuffled"`` (by the seed) or ``"easy_first"`` (a
-    curriculum: by :func:`difficulty`, the seed's order within a level). The held-out questions are the same."""
+    curriculum: by :func:`difficulty`, the seed's order within a level). The held-out questions are the same.
+
+    ``instruction_first``: the user turn asks for the answer line first and ends with the question ("End your reply
+    with the line 'Answer: <number>'. What is 11 + 16?"). Every prompt then begins with all but its last 11-13
+    tokens, which generation and the training forward encode once for all prompts (grpokit.prefix): on SmolLM2's
+    chat template 40 of its 51-53 tokens instead of 27."""
     if order not in ORDERS:
         raise ValueError(f"Task 'arithmetic': order={order!r} is not allowed; expected one of {', '.join(ORDERS)}.")
+    if not isinstance(instruction_first, bool):
+        raise ValueError(f"Task 'arithmetic': instruction_first={instruction_first!r} is not allowed; expected true or "
+                         "false.")
     questions = arithmetic_questions()
     random.Random(seed).shuffle(questions)
-    rows = [
-        {"prompt": user_turn(f"What is {a} {op} {b}? {ANSWER_INSTRUCTION}"), "answer": str(result)}
-        for a, op, b, result in questions
-    ]
+    def ask(a: int, op: str, b: int) -> str:
+        question = f"What is {a} {op} {b}?"
+        return f"{ANSWER_INSTRUCTION} {question}" if instruction_first else f"{question} {ANSWER_INSTRUCTION}"
+
+    rows = [{"prompt": user_turn(ask(a, op, b)), "answer": str(result)} for a, op, b, result in questions]
     train, held_out = split_holdout(rows, n_eval, "arithmetic")
     if order == "easy_first":  # sorted is stable: the seed's order within a level
         train = train.select(sorted(range(len(train)), key=lambda i: difficulty(questions[n_eval + i])))
@@ -63,5 +74,6 @@ def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128, order: str = "shuf
         reward_funcs=[correctness, format_reward],
         accuracy_reward="correctness",
         description=DESCRIPTION,
-        metadata={"seed": seed, "n_eval": n_eval, "n_questions": len(rows), "order": order},
+        metadata={"seed": seed, "n_eval": n_eval, "n_questions": len(rows), "order": order,
+                  "instruction_first": instruction_first},
     )

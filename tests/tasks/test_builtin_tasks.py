@@ -170,3 +170,17 @@ def test_arithmetic_easy_first_orders_only_the_training_questions():
     assert contents(curriculum.train_dataset)[:len(first_level)] == first_level  # the seed's order within a level
     with pytest.raises(ValueError, match="order='hardest' is not allowed; expected one of shuffled, easy_first"):
         get_task("arithmetic", order="hardest")
+
+
+def test_arithmetic_instruction_first_asks_the_same_questions_with_the_question_last():
+    """The same questions, answers and split; each user turn the instruction then the question, so that prompts share
+    all but their last tokens (what grpokit encodes once for all of them)."""
+    plain, first = get_task("arithmetic", seed=1), get_task("arithmetic", seed=1, instruction_first=True)
+    for a, b in [(plain.train_dataset, first.train_dataset), (plain.eval_dataset, first.eval_dataset)]:
+        assert a["answer"] == b["answer"]
+        for p, f in zip(contents(a), contents(b)):
+            question, instruction = p.split("? ", 1)
+            assert f == f"{instruction} {question}?" and f.startswith(ANSWER_INSTRUCTION)
+    assert first.metadata["instruction_first"] is True
+    with pytest.raises(ValueError, match="instruction_first='yes' is not allowed; expected true or false"):
+        get_task("arithmetic", instruction_first="yes")
