@@ -30,6 +30,7 @@ from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLog
 
 from ..prefix import accepts_cache, encode_common_prefix_once, position_ids_from_mask
 from .base import SamplingParams
+from .llama_decode import llama_stepper
 from .reserved_cache import reserve
 
 DECODE_EXTRA = {"min_new_tokens"}
@@ -72,11 +73,12 @@ def token_chooser(params: SamplingParams, sampler=None) -> Callable[[torch.Tenso
 @torch.no_grad()
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            eos_ids: list[int], pad_id: int, choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-           min_new_tokens: int = 0, group: int = 1, share_prompt: bool = True) -> torch.Tensor:
+           min_new_tokens: int = 0, group: int = 1, share_prompt: bool = True, lean: bool = True) -> torch.Tensor:
     """Completions (N, T ≤ ``max_new_tokens``) for left-padded prompts, padded with ``pad_id`` after each row's
     end-of-sequence token; ``group``: rows come as groups of that many identical prompts; ``share_prompt``: encode
-    what rows share once (a group's prompt, the prefix all prompts begin with), else every row whole. ``model``: the
-    causal LM (not a PEFT/DDP wrapper; PEFT's LoRA layers are inside it)."""
+    what rows share once (a group's prompt, the prefix all prompts begin with), else every row whole; ``lean``: decode
+    steps by :func:`grpokit.rollout.llama_decode.llama_step` where it applies (else the model's forward). ``model``:
+    the causal LM (not a PEFT/DDP wrapper; PEFT's LoRA layers are inside it)."""
     n, p = prompt_ids.shape
     device = prompt_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
@@ -92,10 +94,11 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     rows = torch.arange(n, device=device)  # the rows still running
     owner = rows // g
     step_input = prompt_ids[::g, -1:]  # prompts are left-padded: every row's last column is a real token
+    step = (llama_stepper(model) if lean else None) or (
+        lambda ids, mask, positions, cache: model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                                  cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
     for t in range(max_new_tokens):
-        positions = position_ids_from_mask(mask)[:, -1:]
-        logits = model(input_ids=step_input, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                       logits_to_keep=1).logits[:, -1].float()
+        logits = step(step_input, mask, position_ids_from_mask(mask)[:, -1:], cache).float()
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
         one_each = _is_identity(owner, logits.shape[0])

@@ -16,8 +16,13 @@ from collections.abc import Iterator
 
 import torch
 
-_PACKED = "_grpokit_packed_forward"
-"""Set on a layer while it computes with a packed weight (so nested contexts pack once)."""
+_PACKED = "_grpokit_packed_weight"
+"""Set on a layer while it computes with a packed weight: that weight (so nested contexts pack once)."""
+
+
+def packed_weight(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The packed weight ``layer`` computes with inside :func:`packed_linears`, else None."""
+    return getattr(layer, _PACKED, None)
 
 
 def packing_available() -> bool:
@@ -48,7 +53,7 @@ def packed_linears(model: torch.nn.Module, rows_hint: int = 32) -> Iterator[int]
             return out.reshape(*x.shape[:-1], out.shape[-1])
 
         layer.forward = forward
-        setattr(layer, _PACKED, True)
+        setattr(layer, _PACKED, packed)
     try:
         yield len(layers)
     finally:

@@ -13,6 +13,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 from ..prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
 from .decode import decode, decodes, token_chooser
+from .llama_decode import OWN_HOOK
 from .packed import packed_linears
 from .sampling import InverseCDFSampler, fast_sampler
 
@@ -78,6 +79,8 @@ def contiguous_head_input(model: torch.nn.Module) -> Iterator[None]:
         if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
             return (args[0].contiguous(), *args[1:])
         return None
+
+    setattr(make_contiguous, OWN_HOOK, True)
 
     handle = head.register_forward_pre_hook(make_contiguous)
     try:
