@@ -191,7 +191,7 @@ def main():
 
         command = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
         if args.load:
-            command = f"{args.command or command}` (runs saved with --save, summarised with `--load"
+            command = f"{args.command or command}` (runs saved with `--save`), summarised with `--load"  # quoted: ``
         setting = ", ".join(([] if not args.lora else ["LoRA r16"]) + ([] if args.dtype == "float32" else [args.dtype]))
         write_section("GRPO step on SmolLM2-135M" + (f" ({setting})" if setting else ""), command.strip(), text)
 
