@@ -12,7 +12,7 @@ so its logits equal the model's up to float rounding (tests/rollout/test_llama_d
 It applies (:func:`llama_stepper` returns None otherwise, and the loop calls the model) to ``LlamaForCausalLM``
 itself on a CPU, its projections plain ``nn.Linear`` or PEFT LoRA layers whose adapters are merged (as
 :func:`grpokit.rollout.transformers_backend.lora_merged` leaves them while generating), attention ``sdpa`` or
-``eager``, and no forward hook on any module it bypasses.
+``eager``, and no forward hook, forward of its own or training mode on any module it bypasses.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def llama_stepper(model: nn.Module) -> Callable[..., torch.Tensor] | None:
     head = _plain_linear(model.lm_head)
     head_hooks = list(model.lm_head._forward_pre_hooks.values())  # the backend's own makes its input contiguous
     if (head is None or model.lm_head._forward_hooks or any(not getattr(h, OWN_HOOK, False) for h in head_hooks)
-            or any(_hooked(m) for m in bypassed)):
+            or any(_hooked(m) or m.training for m in bypassed)):  # (a module in training mode: its dropout)
         return None
     if any(type(m.input_layernorm).__name__ != "LlamaRMSNorm" for m, _ in layers):
         return None

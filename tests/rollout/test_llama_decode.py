@@ -122,6 +122,9 @@ def test_it_does_not_apply_where_it_would_skip_something():
     model.train()
     assert llama_stepper(model) is None
     model.eval()
+    model.model.layers[0].self_attn.train()  # one module in training mode (its attention dropout would apply)
+    assert llama_stepper(model) is None
+    model.eval()
     handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: out * 2)
     assert llama_stepper(model) is None
     handle.remove()
