@@ -181,3 +181,29 @@ def test_a_layer_with_a_forward_of_its_own_is_not_bypassed():
     del model.model.layers[0].mlp.forward
     with packed_linears(model):
         assert llama_stepper(model) is not None
+
+
+def test_grpo_trainer_with_lora_generates_with_it(tmp_path, monkeypatch):
+    """The demo's path: GRPOTrainer with a LoRA adapter on every linear layer (merged and packed for generation):
+    its rollouts step through the flat Llama step, and a training step moves the adapter."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from grpokit import GRPOConfig, GRPOTrainer
+
+    calls = []
+    real = llama_decode.llama_step
+    monkeypatch.setattr(llama_decode, "llama_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tok = tiny_tokenizer()
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(8)]})
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, max_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                      gradient_checkpointing=False, learning_rate=1e-2, disable_tqdm=True)
+    trainer = GRPOTrainer(tiny_model(tok), lambda completions, **kw: [float(len(c[0]["content"])) for c in completions],
+                          args=args, train_dataset=data, processing_class=tok,
+                          peft_config=LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert calls
+    moved = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert moved
