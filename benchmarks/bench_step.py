@@ -190,8 +190,8 @@ def main():
         from _common import write_section
 
         command = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
-        if args.load:
-            command = f"{args.command or command}` (runs saved with `--save`), summarised with `--load"  # quoted: ``
+        if args.load:  # write_section adds the outer quotes
+            command = f"{args.command or command}` (runs saved with `--save`), summarised with `--load"
         setting = ", ".join(([] if not args.lora else ["LoRA r16"]) + ([] if args.dtype == "float32" else [args.dtype]))
         write_section("GRPO step on SmolLM2-135M" + (f" ({setting})" if setting else ""), command.strip(), text)
 

@@ -72,7 +72,8 @@ def token_chooser(params: SamplingParams, sampler=None) -> Callable[[torch.Tenso
 
 @torch.no_grad()
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-           eos_ids: list[int], pad_id: int, choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+           eos_ids: list[int], pad_id: int,
+           choose: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
            min_new_tokens: int = 0, group: int = 1, share_prompt: bool = True, lean: bool = True) -> torch.Tensor:
     """Completions (N, T ≤ ``max_new_tokens``) for left-padded prompts, padded with ``pad_id`` after each row's
     end-of-sequence token; ``group``: rows come as groups of that many identical prompts; ``share_prompt``: encode

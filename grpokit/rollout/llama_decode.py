@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .packed import packed_weight
+from .packed import packed_linear, packed_weight
 
 OWN_HOOK = "_grpokit_contiguous_head_input"
 """Marks the backend's pre-hook on the LM head (it makes the input contiguous: the step's input already is)."""
@@ -93,9 +93,10 @@ def llama_stepper(model: nn.Module) -> Callable[..., torch.Tensor] | None:
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``x`` (S, in), contiguous: the layer's packed weight where it has one (as its packed forward computes)."""
     packed = packed_weight(layer)
     if packed is not None and x.dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+        return packed_linear(x, packed, layer.bias)
     return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 

@@ -25,6 +25,11 @@ def packed_weight(layer: torch.nn.Module) -> torch.Tensor | None:
     return getattr(layer, _PACKED, None)
 
 
+def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` (N, in), contiguous float32, times a weight packed by :func:`packed_linears`, plus ``bias``."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -49,7 +54,7 @@ def packed_linears(model: torch.nn.Module, rows_hint: int = 32) -> Iterator[int]
             flat = x.reshape(-1, x.shape[-1])
             if flat.dtype != torch.float32 or torch.is_grad_enabled():
                 return torch.nn.functional.linear(x, layer.weight, layer.bias)
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, layer.bias, "none", [], "")
+            out = packed_linear(flat.contiguous(), packed, layer.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
 
         layer.forward = forward
