@@ -121,7 +121,12 @@ def llama_step(model: nn.Module, layers: list, head: nn.Linear, input_ids: torch
     hidden = inner.embed_tokens(input_ids)  # (S, 1, D)
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)  # (S, 1, head_dim)
     hidden = hidden.view(s, -1)
-    mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]  # (S, 1, 1, L)
+    # (S, 1, 1, L): 0 where a row attends, -inf on its padding, built once for every layer (a bool mask is turned
+    # into this inside each attention call: ~20 µs a call at 8 rows, the same result)
+    mask = None
+    if not bool(attention_mask.all()):
+        mask = torch.zeros(attention_mask.shape, dtype=hidden.dtype).masked_fill_(attention_mask == 0, float("-inf"))
+        mask = mask[:, None, None, :]
     for layer, (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) in layers:
         attn = layer.self_attn
         d = attn.head_dim

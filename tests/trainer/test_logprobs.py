@@ -24,7 +24,8 @@ def _plain(h, w, t, b=None, tau=1.0):
 @pytest.mark.parametrize("tau", [1.0, 0.7])
 @pytest.mark.parametrize("entropy_grad", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_chunked_matches_full_softmax_values_and_gradients(tau, entropy_grad, bias):
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_chunked_matches_full_softmax_values_and_gradients(tau, entropy_grad, bias, keep_logits):
     g = torch.Generator().manual_seed(0)
     n, d, v = 37, 16, 1000
     h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -34,7 +35,7 @@ def test_chunked_matches_full_softmax_values_and_gradients(tau, entropy_grad, bi
     t[0], t[1] = 0, v - 1  # the first and the last vocabulary entry
     # blocks that do not divide the sizes: ragged last row block and vocabulary tile
     lp, ent = linear_logps_and_entropy(h, w, t, b, temperature=tau, entropy_grad=entropy_grad,
-                                       block_rows=8, block_vocab=300)
+                                       block_rows=8, block_vocab=300, keep_logits=keep_logits)
     lp_ref, ent_ref = _plain(h, w, t, b, tau)
     torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-12)
@@ -47,6 +48,50 @@ def test_chunked_matches_full_softmax_values_and_gradients(tau, entropy_grad, bi
     loss_ref = (lp_ref * g_lp).sum() + ((ent_ref * g_ent).sum() if entropy_grad else 0.0)
     for got, want in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(loss_ref, inputs)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_kept_logits_skip_the_recomputation_only_under_the_budget(monkeypatch):
+    """The forward's blocks are kept for the backward (no head matmul recomputed there) when they fit
+    KEEP_LOGITS_BYTES, recomputed when they do not; both give the same gradients, and a second backward through a
+    retained graph the same as the first (the kept blocks are read, not overwritten)."""
+    import grpokit.chunked_head as chunked_head
+
+    calls = []
+    block_logits = chunked_head._block_logits
+    monkeypatch.setattr(chunked_head, "_block_logits", lambda *a: (calls.append(1), block_logits(*a))[1])
+    g = torch.Generator().manual_seed(3)
+    n, d, v = 20, 8, 500  # 20 × 500 float32 logits: 40,000 bytes
+    h0, w0 = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
+    t = torch.randint(0, v, (n,), generator=g)
+    grads = {}
+    for budget in (40_000, 39_999):
+        monkeypatch.setattr(chunked_head, "KEEP_LOGITS_BYTES", budget)
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        lp, ent = linear_logps_and_entropy(h, w, t, block_rows=8, block_vocab=128, entropy_grad=True)
+        forward_calls = len(calls)
+        assert forward_calls == 3 * 4  # 3 row blocks × 4 vocabulary tiles
+        loss = (lp * torch.linspace(-1, 1, n)).sum() + 0.5 * ent.sum()
+        first = torch.autograd.grad(loss, [h, w], retain_graph=True)
+        assert len(calls) == forward_calls * (1 if budget == 40_000 else 2)
+        second = torch.autograd.grad(loss, [h, w])
+        for a, b in zip(first, second):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        grads[budget] = first
+        calls.clear()
+    for a, b in zip(grads[40_000], grads[39_999]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # without a gradient to compute nothing is kept
+    monkeypatch.setattr(chunked_head, "KEEP_LOGITS_BYTES", 1 << 30)
+    with torch.no_grad():
+        linear_logps_and_entropy(h0.requires_grad_(True), w0, t)
+    kept = []
+    apply = chunked_head._ChunkedLogSoftmax.apply
+    monkeypatch.setattr(chunked_head._ChunkedLogSoftmax, "apply", lambda *a: (kept.append(a[-1]), apply(*a))[1])
+    with torch.no_grad():
+        linear_logps_and_entropy(h0, w0, t)
+    linear_logps_and_entropy(h0.detach(), w0, t)
+    linear_logps_and_entropy(h0.detach().requires_grad_(True), w0, t)
+    assert kept == [False, False, True]
 
 
 def test_chunked_float32_large_logits_and_frozen_weight():
