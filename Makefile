@@ -20,8 +20,11 @@ install:
 install-test: install
 	$(PIP) install $(PIPQ) -e ".[test]"
 
+# `make demo SEED=1`: another seed (the held-out questions stay the same)
+SEED ?= 0
+
 demo: install
-	$(PY) -m grpokit.cli demo --finish-within 590 --started-at $(STARTED_AT)
+	$(PY) -m grpokit.cli demo --seed $(SEED) --finish-within 590 --started-at $(STARTED_AT)
 
 # two pytest workers, each with its share of the cores (tests/conftest.py); a file's tests stay on one worker (its
 # module fixtures are built once). `make test TEST_WORKERS=0` runs them in one process.

@@ -26,7 +26,7 @@ DEMO_SPEC: dict[str, Any] = {
     "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
     "eval": {"n": 128, "before": True, "after": True, "max_new_tokens": 48, "greedy": True, "batch_size": 128,
              "every_steps": 10},
-    "time_budget_s": 500,
+    "time_budget_s": 550,
     "learning_rate": 5e-4,
     "lr_scheduler_type": "constant_with_warmup",
     "warmup_steps": 10,
@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train the embedded SmolLM2-135M on arithmetic (CPU, ~10 minutes)")
     d.add_argument("--algo", default="grpo", help="an algorithm recipe (default grpo; `grpokit tasks` lists them)")
     d.add_argument("--output-dir", help="default: runs/demo, or runs/demo-2, -3, ... when an earlier demo is there")
-    d.add_argument("--time-budget", type=float, help="seconds of training (default 500)")
+    d.add_argument("--time-budget", type=float,
+                   help=f"seconds of training (default {DEMO_SPEC['time_budget_s']}, cut by --finish-within)")
     d.add_argument("--finish-within", type=float, metavar="SECONDS",
                    help="end the whole demo, evaluations included, within SECONDS of --started-at (training is cut "
                         "short when less is left; make demo passes 590)")
