@@ -247,6 +247,42 @@ def test_gguf_conversion_bar_follows_transformers_switch(capfd):
         assert gguf_utils.tqdm is bar
 
 
+def test_gguf_files_are_parsed_once_inside_the_block():
+    """Inside ``gguf_parsed_once`` a file is parsed once however often transformers opens it, another file (or other
+    arguments) gets its own parse, the tensor-name map is built once per architecture and size, and the gguf module
+    is given back as it was, also when the block raises."""
+    gguf = pytest.importorskip("gguf")
+    parsed, maps = [], []
+
+    class Reader:
+        def __init__(self, path, mode="r"):
+            parsed.append((str(path), mode))
+
+    def name_map(arch, n_blocks):
+        maps.append((arch, n_blocks))
+        return {"arch": arch, "n": n_blocks}
+
+    original = gguf.GGUFReader, gguf.get_tensor_name_map
+    try:
+        gguf.GGUFReader, gguf.get_tensor_name_map = Reader, name_map
+        with models.gguf_parsed_once():
+            a, b = gguf.GGUFReader("/m/a.gguf"), gguf.GGUFReader("/m/a.gguf")
+            c = gguf.GGUFReader("/m/c.gguf")
+            d = gguf.GGUFReader("/m/a.gguf", "r+")
+            assert a is b and c is not a and d is not a
+            assert gguf.get_tensor_name_map(1, 30) is gguf.get_tensor_name_map(1, 30)
+            gguf.get_tensor_name_map(1, 2)
+        assert parsed == [("/m/a.gguf", "r"), ("/m/c.gguf", "r"), ("/m/a.gguf", "r+")]
+        assert maps == [(1, 30), (1, 2)]
+        assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (Reader, name_map)
+        with pytest.raises(RuntimeError), models.gguf_parsed_once():
+            raise RuntimeError("a load failed")
+        assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (Reader, name_map)
+        assert gguf.GGUFReader("/m/a.gguf") is not gguf.GGUFReader("/m/a.gguf")  # outside: parsed every time
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original
+
+
 # --------------------------------------------------------------------------- the real model
 
 
