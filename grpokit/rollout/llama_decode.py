@@ -10,9 +10,9 @@ the same operations in the same order as transformers' eager code (RMSNorm in fl
 so its logits equal the model's up to float rounding (tests/rollout/test_llama_decode.py).
 
 It applies (:func:`llama_stepper` returns None otherwise, and the loop calls the model) to ``LlamaForCausalLM``
-itself on a CPU, its projections plain ``nn.Linear`` or PEFT LoRA layers whose adapters are merged (as
-:func:`grpokit.rollout.transformers_backend.lora_merged` leaves them while generating), attention ``sdpa`` or
-``eager``, and no forward hook, forward of its own or training mode on any module it bypasses.
+itself on a CPU, its projections plain ``nn.Linear`` or PEFT LoRA layers whose adapters are merged or folded into
+packed weights (as :func:`grpokit.rollout.transformers_backend.decoding_weights` leaves them while generating),
+attention ``sdpa`` or ``eager``, and no forward hook, forward of its own or training mode on any module it bypasses.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ OWN_HOOK = "_grpokit_contiguous_head_input"
 """Marks the backend's pre-hook on the LM head (it makes the input contiguous: the step's input already is)."""
 
 
-def _plain_linear(module: nn.Module) -> nn.Linear | None:
-    """The ``nn.Linear`` whose forward ``module``'s forward is: itself, or a PEFT LoRA layer's base layer while its
+def _plain_linear(module: nn.Module) -> nn.Module | None:
+    """The layer whose packed weight (or plain ``nn.Linear`` forward) ``module``'s forward is: itself (an
+    ``nn.Linear``, or a PEFT LoRA layer packed with its adapter folded in), or a LoRA layer's base layer while its
     adapters are merged (or disabled and unmerged)."""
-    if _plain(module):
+    if _plain(module) or (hasattr(module, "base_layer") and packed_weight(module) is not None):
         return module
     base = getattr(module, "base_layer", None)
     if not _plain(base) or _hooked(base) or "forward" in vars(module):
@@ -49,7 +50,7 @@ def _plain(layer) -> bool:
 def _hooked(module: nn.Module) -> bool:
     """Hooks, or a forward of its own, that the flat step would bypass."""
     return bool(module._forward_hooks or module._forward_pre_hooks) or (
-        not isinstance(module, nn.Linear) and "forward" in vars(module))
+        not isinstance(module, nn.Linear) and "forward" in vars(module) and packed_weight(module) is None)
 
 
 def _global_hooks() -> bool:
@@ -92,11 +93,12 @@ def llama_stepper(model: nn.Module) -> Callable[..., torch.Tensor] | None:
         model, layers, head, input_ids, attention_mask, position_ids, cache)
 
 
-def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``x`` (S, in), contiguous: the layer's packed weight where it has one (as its packed forward computes)."""
+def _linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """``x`` (S, in), contiguous: the layer's packed weight where it has one (as its packed forward computes; a LoRA
+    layer's holds its adapter folded in, its bias is its base layer's)."""
     packed = packed_weight(layer)
     if packed is not None and x.dtype == torch.float32:
-        return packed_linear(x, packed, layer.bias)
+        return packed_linear(x, packed, getattr(layer, "base_layer", layer).bias)
     return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 

@@ -14,7 +14,7 @@ from ..prefix import accepts_cache, encode_once_per_group, group_size, inner_cau
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
 from .decode import decode, decodes, token_chooser
 from .llama_decode import OWN_HOOK
-from .packed import packed_linears
+from .packed import foldable_lora, packed_linears, packed_weight
 from .sampling import InverseCDFSampler, fast_sampler
 
 __all__ = ["InverseCDFSampler", "TransformersRollout", "fast_sampler", "lora_merged"]
@@ -37,6 +37,7 @@ def lora_merged(model: torch.nn.Module) -> Iterator[bool]:
     tuner_layers = [m for m in base.modules() if hasattr(m, "merged_adapters")]  # PEFT's record of what is merged
     if (not hasattr(model, "merge_adapter") or not getattr(model, "peft_config", None)
             or any(m.merged_adapters for m in tuner_layers)  # merged by the user: left as it is
+            or any(packed_weight(m) is not None for m in tuner_layers)  # folded into packed weights (decoding_weights)
             or getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)):
         yield False
         return
@@ -58,6 +59,19 @@ def lora_merged(model: torch.nn.Module) -> Iterator[bool]:
         if len(rounded) == len(wrapped):  # all restored from the copy: only PEFT's record of the merge is left
             for layer in tuner_layers:  # (unmerging would recompute every ΔW, ~0.13 s for SmolLM2, to no use)
                 layer.merged_adapters = []
+
+
+@contextlib.contextmanager
+def decoding_weights(model: torch.nn.Module, pack: bool, rows_hint: int = 32) -> Iterator[None]:
+    """The weights generation computes with: on a CPU in float32 (``pack``), packed, with every LoRA adapter folded
+    into its layer's packed weight where all of them can be (:func:`grpokit.rollout.packed.foldable_lora`: the
+    model's own weights are not written); else the adapters merged (:func:`lora_merged`) and then packed."""
+    with contextlib.ExitStack() as stack:
+        if not (pack and foldable_lora(model)):
+            stack.enter_context(lora_merged(model))
+        if pack:
+            stack.enter_context(packed_linears(model, rows_hint))
+        yield
 
 
 @contextlib.contextmanager
@@ -175,9 +189,7 @@ class TransformersRollout:
         try:
             with contextlib.ExitStack() as stack:
                 if not params.lockstep:  # a shard cannot take the merge
-                    stack.enter_context(lora_merged(model))
-                    if self.pack_weights:  # after the merge: the merged weights are packed
-                        stack.enter_context(packed_linears(model, prompt_ids.shape[0]))
+                    stack.enter_context(decoding_weights(model, self.pack_weights, prompt_ids.shape[0]))
                 stack.enter_context(contiguous_head_input(model))
                 chunks = self._generate_chunks(model, prompt_ids, prompt_mask, params, config, sampler, vision)
         finally:
@@ -238,8 +250,9 @@ class TransformersRollout:
 
     @contextlib.contextmanager
     def generation_batch(self, model: torch.nn.Module):
-        """The adapter merged once for every call of one generation batch (each call's own merge then sees it merged
-        and leaves it): 0.35 s a call saved for SmolLM2 in bf16 on a CPU; and the weights packed once
-        (``pack_weights``). Not for sharded weights (the trainer does not enter it there)."""
-        with lora_merged(model), (packed_linears(model) if self.pack_weights else contextlib.nullcontext()):
+        """The adapter merged (or folded into packed weights) once for every call of one generation batch (each
+        call's own :func:`decoding_weights` then finds it done and leaves it): 0.35 s a call saved for SmolLM2 in bf16
+        on a CPU; and the weights packed once (``pack_weights``). Not for sharded weights (the trainer does not enter
+        it there)."""
+        with decoding_weights(model, self.pack_weights):
             yield

@@ -18,18 +18,27 @@ def _lora_model():
 
 
 def test_batch_size_changes_nothing_but_speed_and_the_adapter_is_merged_once(monkeypatch):
+    """Once for the whole evaluation: on a CPU with oneDNN the adapter folded into each layer's packed weight (no
+    merge), elsewhere merged."""
+    from grpokit.rollout import packed
+
     model, tok = _lora_model()
     held_out = get_task("arithmetic").eval_dataset
-    merges = []
-    merge = model.merge_adapter
+    merges, folds = [], []
+    merge, pack = model.merge_adapter, packed._pack
     monkeypatch.setattr(model, "merge_adapter", lambda *a, **k: (merges.append(1), merge(*a, **k))[1])
+    monkeypatch.setattr(packed, "_pack", lambda layer, *a: (folds.append(1) if hasattr(layer, "lora_A") else None,
+                                                            pack(layer, *a))[1])
+    n_lora = sum(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
     results = {}
     for batch_size in (3, 7, 10):
         merges.clear()
+        folds.clear()
         summary, samples = evaluate(model, tok, held_out, [correctness, format_reward], accuracy_reward="correctness",
                                     n=10, max_new_tokens=6, batch_size=batch_size, num_samples=10)
         results[batch_size] = [s["completion"] for s in samples]
-        assert summary["n"] == 10 and len(merges) == 1  # one merge for 4, 2 and 1 batches
+        assert summary["n"] == 10  # 4, 2 and 1 batches: folded or merged once for all of them
+        assert (len(merges), len(folds)) == ((0, n_lora) if packed.packing_available() else (1, 0))
     assert results[3] == results[7] == results[10]
     base = [p for n, p in model.named_parameters() if "base_layer" in n]
     assert base and not any(m.merged_adapters for m in model.modules() if hasattr(m, "merged_adapters"))

@@ -15,7 +15,7 @@ from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.decode import decode
 from grpokit.rollout.llama_decode import llama_stepper
 from grpokit.rollout.packed import packed_linears
-from grpokit.rollout.transformers_backend import TransformersRollout, lora_merged
+from grpokit.rollout.transformers_backend import TransformersRollout, decoding_weights, lora_merged
 
 
 def prompts(tok, texts, g=1):
@@ -112,6 +112,9 @@ def test_a_merged_lora_adapter_is_stepped_with_its_merged_weights_and_an_unmerge
     assert llama_stepper(inner) is None  # adapters on the side: the model's forward
     with lora_merged(peft) as merged, packed_linears(peft):
         assert merged and llama_stepper(inner) is not None
+        assert_same_steps(inner, ids, mask, group=2)
+    with decoding_weights(peft, pack=True):  # float32 on a CPU: folded into the packed weights, not merged
+        assert not any(getattr(m, "merged", False) for m in peft.modules()) and llama_stepper(inner) is not None
         assert_same_steps(inner, ids, mask, group=2)
 
 

@@ -47,3 +47,78 @@ def test_greedy_generation_packed_or_not():
     plain = TransformersRollout(tok, pack_weights=False).generate(model, enc["input_ids"], enc["attention_mask"],
                                                                   params)
     assert torch.equal(packed.completion_ids, plain.completion_ids)
+
+
+def _lora(model, **kw):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                                            **kw))
+
+
+def test_lora_adapters_are_folded_into_the_packed_weights_without_writing_the_base():
+    """Every LoRA layer computes with W + s·B·A packed (the same logits as the adapter beside the base), the base
+    weights are not written and nothing is merged; nested blocks pack nothing more; with gradients, or in training
+    mode (LoRA's dropout), a layer runs its own forward; everything is given back."""
+    from grpokit.rollout.packed import foldable_lora, packed_weight
+
+    tok = tiny_tokenizer()
+    model = _lora(tiny_model(tok, seed=3)).eval()
+    lora = foldable_lora(model)
+    plain_layers = [m for m in model.modules() if type(m) is torch.nn.Linear and not any(m is x.base_layer for x in lora)
+                    and not any(m in (*x.lora_A.values(), *x.lora_B.values()) for x in lora)]
+    assert len(lora) == 7 * 2 and len(plain_layers) == 1  # every projection of both layers; the head
+    base = {k: v.clone() for k, v in model.state_dict().items() if "base_layer" in k}
+    pointers = {k: v.data_ptr() for k, v in model.state_dict().items() if "base_layer" in k}
+    model.merge_adapter = lambda *a, **k: pytest.fail("merged")
+    ids = torch.randint(5, 200, (3, 7))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with packed_linears(model) as n:
+            assert n == len(lora) + 1
+            assert all(packed_weight(m) is not None and packed_weight(m.base_layer) is None for m in lora)
+            got = model(input_ids=ids).logits
+            with packed_linears(model) as again:
+                assert again == 0
+            model.train()
+            noisy = model(input_ids=ids).logits  # training mode: each LoRA layer's own forward, its dropout
+            model.eval()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(noisy, want, atol=1e-5, rtol=1e-5)  # (the dropout is 0 here: the same numbers)
+    assert not any("forward" in vars(m) or packed_weight(m) is not None for m in model.modules())
+    for k, v in model.state_dict().items():
+        if "base_layer" in k:
+            assert torch.equal(v, base[k]) and v.data_ptr() == pointers[k], k
+
+
+def test_lora_is_folded_for_all_layers_or_none():
+    """One layer that cannot be folded (a second active adapter, DoRA, merged, a bf16 base) and no layer is: the
+    adapters are then merged before packing (decoding_weights), as before."""
+    from grpokit.rollout.packed import foldable_lora
+    from grpokit.rollout.transformers_backend import decoding_weights
+
+    tok = tiny_tokenizer()
+    assert len(foldable_lora(_lora(tiny_model(tok)))) == 14
+    assert foldable_lora(_lora(tiny_model(tok), use_dora=True)) == []
+    model = _lora(tiny_model(tok))
+    model.base_model.model.model.layers[1].mlp.down_proj.base_layer.to(torch.bfloat16)
+    assert foldable_lora(model) == []
+    model = _lora(tiny_model(tok)).eval()
+    model.base_model.model.model.layers[0].self_attn.q_proj.merge()
+    assert foldable_lora(model) == []
+    model.base_model.model.model.layers[0].self_attn.q_proj.unmerge()
+    assert len(foldable_lora(model)) == 14
+    ids = torch.randint(5, 200, (2, 5))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with decoding_weights(model, pack=True):
+            folded = model(input_ids=ids).logits
+            assert not any(getattr(m, "merged", False) for m in model.modules())
+        own = model.base_model.model.model.layers[1].mlp.up_proj.base_layer  # a forward of its own: not packable,
+        own.forward = lambda x: torch.nn.functional.linear(x, own.weight, own.bias)  # so every adapter is merged
+        with decoding_weights(model, pack=True):
+            assert all(m.merged for m in model.modules() if hasattr(m, "merged_adapters"))
+            merged = model(input_ids=ids).logits
+        assert not any(getattr(m, "merged", False) for m in model.modules())
+    torch.testing.assert_close(folded, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
