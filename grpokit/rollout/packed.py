@@ -71,6 +71,12 @@ def foldable_lora(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers if layers and all(_foldable(m) for m in layers) else []
 
 
+def lora_folded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s LoRA layers compute with their adapters folded into packed weights (an enclosing
+    :func:`packed_linears` block folded them)."""
+    return any(packed_weight(m) is not None for m in _lora_layers(model))
+
+
 def _packable(module: torch.nn.Module) -> bool:
     w = getattr(module, "weight", None)
     return (type(module) is torch.nn.Linear and isinstance(w, torch.Tensor) and w.dtype == torch.float32

@@ -14,7 +14,7 @@ from ..prefix import accepts_cache, encode_once_per_group, group_size, inner_cau
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
 from .decode import decode, decodes, token_chooser
 from .llama_decode import OWN_HOOK
-from .packed import foldable_lora, packed_linears, packed_weight
+from .packed import foldable_lora, lora_folded, packed_linears
 from .sampling import InverseCDFSampler, fast_sampler
 
 __all__ = ["InverseCDFSampler", "TransformersRollout", "fast_sampler", "lora_merged"]
@@ -37,7 +37,6 @@ def lora_merged(model: torch.nn.Module) -> Iterator[bool]:
     tuner_layers = [m for m in base.modules() if hasattr(m, "merged_adapters")]  # PEFT's record of what is merged
     if (not hasattr(model, "merge_adapter") or not getattr(model, "peft_config", None)
             or any(m.merged_adapters for m in tuner_layers)  # merged by the user: left as it is
-            or any(packed_weight(m) is not None for m in tuner_layers)  # folded into packed weights (decoding_weights)
             or getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)):
         yield False
         return
@@ -67,7 +66,7 @@ def decoding_weights(model: torch.nn.Module, pack: bool, rows_hint: int = 32) ->
     into its layer's packed weight where all of them can be (:func:`grpokit.rollout.packed.foldable_lora`: the
     model's own weights are not written); else the adapters merged (:func:`lora_merged`) and then packed."""
     with contextlib.ExitStack() as stack:
-        if not (pack and foldable_lora(model)):
+        if not (pack and (foldable_lora(model) or lora_folded(model))):  # (folded by an enclosing block: left so)
             stack.enter_context(lora_merged(model))
         if pack:
             stack.enter_context(packed_linears(model, rows_hint))

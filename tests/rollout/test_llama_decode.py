@@ -187,8 +187,9 @@ def test_a_layer_with_a_forward_of_its_own_is_not_bypassed():
 
 
 def test_grpo_trainer_with_lora_generates_with_it(tmp_path, monkeypatch):
-    """The demo's path: GRPOTrainer with a LoRA adapter on every linear layer (merged and packed for generation):
-    its rollouts step through the flat Llama step, and a training step moves the adapter."""
+    """The demo's path: GRPOTrainer with a LoRA adapter on every linear layer (folded into the packed weights for
+    generation, never merged into the base weights, which stay bit for bit): its rollouts step through the flat Llama
+    step, and a training step moves the adapter."""
     from datasets import Dataset
     from peft import LoraConfig
 
@@ -206,7 +207,11 @@ def test_grpo_trainer_with_lora_generates_with_it(tmp_path, monkeypatch):
                           args=args, train_dataset=data, processing_class=tok,
                           peft_config=LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "base_layer" in n}
+    merges = []
+    monkeypatch.setattr(trainer.model, "merge_adapter", lambda *a, **k: merges.append(1))
     trainer.train()
-    assert calls
+    assert calls and merges == []
     moved = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert moved
+    assert base and all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if "base_layer" in n)

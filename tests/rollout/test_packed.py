@@ -80,8 +80,13 @@ def test_lora_adapters_are_folded_into_the_packed_weights_without_writing_the_ba
             got = model(input_ids=ids).logits
             with packed_linears(model) as again:
                 assert again == 0
+            adapter_calls = []
+            lora[0].lora_A["default"].register_forward_hook(lambda *a: adapter_calls.append(1))
+            model(input_ids=ids)
+            assert adapter_calls == []  # folded: the adapter's own matrices are not called
             model.train()
             noisy = model(input_ids=ids).logits  # training mode: each LoRA layer's own forward, its dropout
+            assert adapter_calls == [1]
             model.eval()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(noisy, want, atol=1e-5, rtol=1e-5)  # (the dropout is 0 here: the same numbers)
