@@ -95,11 +95,14 @@ def llama_stepper(model: nn.Module) -> Callable[..., torch.Tensor] | None:
 
 def _linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """``x`` (S, in), contiguous: the layer's packed weight where it has one (as its packed forward computes; a LoRA
-    layer's holds its adapter folded in, its bias is its base layer's)."""
+    layer's holds its adapter folded in, its bias is its base layer's); for input of another dtype the layer's own
+    forward (a folded LoRA layer's ``weight`` is its base layer's, without the adapter)."""
     packed = packed_weight(layer)
-    if packed is not None and x.dtype == torch.float32:
+    if packed is None:
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+    if x.dtype == packed.dtype:
         return packed_linear(x, packed, getattr(layer, "base_layer", layer).bias)
-    return torch.nn.functional.linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:

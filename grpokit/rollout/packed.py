@@ -1,17 +1,20 @@
 """Linear layers with their weights pre-packed for oneDNN while generating on a CPU.
 
-A decode step multiplies a few rows by every weight matrix of the model. torch's default CPU path (MKL's GEMM)
-repacks each weight on every call; oneDNN's inner-product primitive with a weight packed once into its blocked layout
-reads it as it is. On a 2-core AMD EPYC (AVX2 only) a whole decode step of SmolLM2-135M in float32 took 63 instead of
-82 ms at 8 rows and 114 instead of 134 ms at 32 (``benchmarks/bench_packed.py``, benchmarks/RESULTS.md). Packing
-every weight takes ~0.2 s and one more copy of the linear weights in memory for as long as the context lasts; the
-results equal the unpacked layers' up to float rounding (another summation order). Only float32 weights on a CPU
-with oneDNN; anything else is left as is.
+A decode step multiplies a few rows by every weight matrix of the model. torch's default CPU path (MKL's GEMM in
+float32, oneDNN's matmul in bf16) repacks each weight on every call; oneDNN's inner-product primitive with a weight
+packed once into its blocked layout reads it as it is. On a 2-core AMD EPYC (AVX2 only) a whole decode step of
+SmolLM2-135M in float32 took 63 instead of 82 ms at 8 rows and 114 instead of 134 ms at 32
+(``benchmarks/bench_packed.py``, benchmarks/RESULTS.md); in bf16 on a 2-core Xeon with AMX the matmuls of one layer
+and the head took half the time packed at 8-128 rows. Packing every weight takes ~0.2 s and one more copy of the
+linear weights in memory for as long as the context lasts; the results equal the unpacked layers' up to float
+rounding (another summation order). float32 weights on a CPU with oneDNN, and bf16 ones where oneDNN computes bf16
+(:func:`packable_dtypes`: AVX512-BF16, AMX, AVX-NE-CONVERT); anything else is left as is.
 
-A PEFT LoRA layer is packed with its adapter folded in, ``W + s·B·A``, without writing that into ``W`` (what merging
-and unmerging the adapter around generation did: on SmolLM2-135M with r 16 on every linear layer, merge, pack and
-unmerge took 0.72-0.79 s a generation batch, folding while packing 0.32 s) — where every LoRA layer of the model can
-be (:func:`foldable_lora`); otherwise the adapters are merged first
+A PEFT LoRA layer is packed with its adapter folded in, ``W + s·B·A`` (summed in float32, rounded once to the base
+weight's dtype), without writing that into ``W`` (what merging and unmerging the adapter around generation did: on
+SmolLM2-135M with r 16 on every linear layer, merge, pack and unmerge took 0.72-0.79 s a generation batch in float32,
+folding while packing 0.32 s; a bf16 base was merged into and restored from a copy) — where every LoRA layer of the
+model can be (:func:`foldable_lora`); otherwise the adapters are merged first
 (:func:`grpokit.rollout.transformers_backend.lora_merged`) and the merged weights packed.
 """
 
@@ -32,12 +35,22 @@ def packed_weight(layer: torch.nn.Module) -> torch.Tensor | None:
 
 
 def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``rows`` (N, in), contiguous float32, times a weight packed by :func:`packed_linears`, plus ``bias``."""
+    """``rows`` (N, in), contiguous and of the packed weight's dtype, times a weight packed by
+    :func:`packed_linears`, plus ``bias``."""
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes packed: float32, and bf16 where oneDNN computes bf16 on this CPU (its check honours
+    ``ONEDNN_MAX_CPU_ISA``; without it oneDNN refuses to pack bf16)."""
+    if not packing_available():
+        return ()
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -48,7 +61,7 @@ def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _foldable(layer: torch.nn.Module) -> bool:
     """A LoRA layer computing ``base(x) + s·B(A(x))`` with one plain adapter over a packable base layer: not merged
     or disabled, no DoRA or other variant, no biases on A and B, no transposed (``fan_in_fan_out``) base, no forward
-    of its own, float32."""
+    of its own; its adapters' two matrices of one floating dtype (float32, as PEFT keeps them by default)."""
     names = list(getattr(layer, "active_adapters", None) or [])
     if (type(layer).__name__ != "Linear" or not type(layer).__module__.startswith("peft.tuners.lora")
             or len(names) != 1 or getattr(layer, "merged", True) or getattr(layer, "disable_adapters", True)
@@ -59,7 +72,7 @@ def _foldable(layer: torch.nn.Module) -> bool:
         return False
     a, b = layer.lora_A[name], layer.lora_B[name]
     return (type(a) is torch.nn.Linear and type(b) is torch.nn.Linear and a.bias is None and b.bias is None
-            and a.weight.dtype == b.weight.dtype == torch.float32
+            and a.weight.dtype == b.weight.dtype and a.weight.dtype.is_floating_point
             and not (getattr(layer, "use_dora", None) or {}).get(name)
             and not (getattr(layer, "lora_variant", None) or {}).get(name))
 
@@ -71,22 +84,34 @@ def foldable_lora(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers if layers and all(_foldable(m) for m in layers) else []
 
 
+@torch.no_grad()
+def folded_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A foldable LoRA layer's ``W + s·B·A`` in a new tensor, summed in float32 and rounded once to ``W``'s dtype (a
+    bf16 merge rounds twice: ``s·B·A`` to bf16, then the sum); ``W`` itself is not written."""
+    (name,) = layer.active_adapters
+    w = layer.base_layer.weight
+    return torch.addmm(w.float(), layer.lora_B[name].weight.float(), layer.lora_A[name].weight.float(),
+                       alpha=layer.scaling[name]).to(w.dtype)
+
+
 def lora_folded(model: torch.nn.Module) -> bool:
     """Whether ``model``'s LoRA layers compute with their adapters folded into packed weights (an enclosing
     :func:`packed_linears` block folded them)."""
     return any(packed_weight(m) is not None for m in _lora_layers(model))
 
 
-def _packable(module: torch.nn.Module) -> bool:
+def _packable(module: torch.nn.Module, dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
     w = getattr(module, "weight", None)
-    return (type(module) is torch.nn.Linear and isinstance(w, torch.Tensor) and w.dtype == torch.float32
+    return (type(module) is torch.nn.Linear and isinstance(w, torch.Tensor)
+            and w.dtype in (packable_dtypes() if dtypes is None else dtypes)
             and w.device.type == "cpu" and not hasattr(module, _PACKED)
             and "forward" not in vars(module))  # a forward of its own (cast_lm_head_to_fp32's) is left alone
 
 
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module, rows_hint: int = 32) -> Iterator[int]:
-    """Within the block every float32 ``nn.Linear`` of ``model`` on a CPU computes with a packed copy of its weight
+    """Within the block every float32 (or bf16: :func:`packable_dtypes`) ``nn.Linear`` of ``model`` on a CPU
+    computes with a packed copy of its weight
     (no gradient: for generation only), and every LoRA layer with its adapter folded into one where all of them can be
     (:func:`foldable_lora`); yields how many layers it packed. The weights must not change inside the block (they are
     packed once, on entry)."""
@@ -94,13 +119,10 @@ def packed_linears(model: torch.nn.Module, rows_hint: int = 32) -> Iterator[int]
     folded_ids = {id(m) for m in folded}  # LoRA layers folded here or by an enclosing block: their base layers and
     covered = {id(x) for m in _lora_layers(model) if id(m) in folded_ids or packed_weight(m) is not None  # adapters
                for x in (m.base_layer, *m.lora_A.values(), *m.lora_B.values())}  # are not called: not packed
-    layers = [m for m in model.modules() if _packable(m) and id(m) not in covered] if packing_available() else []
+    dtypes = packable_dtypes()
+    layers = [m for m in model.modules() if _packable(m, dtypes) and id(m) not in covered]
     for layer in folded:
-        (name,) = layer.active_adapters
-        with torch.no_grad():  # W + s·B·A in a temporary: W itself is not written
-            merged = torch.addmm(layer.base_layer.weight, layer.lora_B[name].weight, layer.lora_A[name].weight,
-                                 alpha=layer.scaling[name])
-        _pack(layer, torch.ops.mkldnn._reorder_linear_weight(merged, rows_hint), layer.base_layer.bias)
+        _pack(layer, torch.ops.mkldnn._reorder_linear_weight(folded_weight(layer), rows_hint), layer.base_layer.bias)
     for layer in layers:
         _pack(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows_hint), layer.bias)
     try:
@@ -112,12 +134,12 @@ def packed_linears(model: torch.nn.Module, rows_hint: int = 32) -> Iterator[int]
 
 
 def _pack(layer: torch.nn.Module, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """``layer`` computes with ``packed`` (and ``bias``) without gradients on float32 input, and with its own forward
-    otherwise (a LoRA layer's also in training mode: its dropout)."""
+    """``layer`` computes with ``packed`` (and ``bias``) without gradients on input of the packed weight's dtype, and
+    with its own forward otherwise (a LoRA layer's also in training mode: its dropout)."""
     lora = hasattr(layer, "lora_A")
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or x.dtype != torch.float32 or torch.is_grad_enabled() or (lora and layer.training):
+        if args or kwargs or x.dtype != packed.dtype or torch.is_grad_enabled() or (lora and layer.training):
             return type(layer).forward(layer, x, *args, **kwargs)
         flat = x.reshape(-1, x.shape[-1])
         out = packed_linear(flat.contiguous(), packed, bias)

@@ -62,7 +62,8 @@ def lora_merged(model: torch.nn.Module) -> Iterator[bool]:
 
 @contextlib.contextmanager
 def decoding_weights(model: torch.nn.Module, pack: bool, rows_hint: int = 32) -> Iterator[None]:
-    """The weights generation computes with: on a CPU in float32 (``pack``), packed, with every LoRA adapter folded
+    """The weights generation computes with: on a CPU in float32, or bf16 where oneDNN computes it (``pack``;
+    :func:`grpokit.rollout.packed.packable_dtypes`), packed, with every LoRA adapter folded
     into its layer's packed weight where all of them can be (:func:`grpokit.rollout.packed.foldable_lora`: the
     model's own weights are not written); else the adapters merged (:func:`lora_merged`) and then packed."""
     with contextlib.ExitStack() as stack:
@@ -133,7 +134,8 @@ class TransformersRollout:
     ``decode_loop``: on a CPU, sample with :func:`grpokit.rollout.decode.decode` — the same model forward and
     distribution, finished rows dropped from the batch — wherever it applies (else ``generate``).
 
-    ``pack_weights``: on a CPU, the float32 linear layers compute with weights packed for oneDNN while generating
+    ``pack_weights``: on a CPU, the float32 (and, where oneDNN computes bf16, the bf16) linear layers compute with
+    weights packed for oneDNN while generating
     (:mod:`grpokit.rollout.packed`), once per call or once for a whole generation batch (:meth:`generation_batch`).
     """
 

@@ -14,7 +14,7 @@ import grpokit.rollout.llama_decode as llama_decode
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.decode import decode
 from grpokit.rollout.llama_decode import llama_stepper
-from grpokit.rollout.packed import packed_linears
+from grpokit.rollout.packed import packable_dtypes, packed_linears
 from grpokit.rollout.transformers_backend import TransformersRollout, decoding_weights, lora_merged
 
 
@@ -215,3 +215,19 @@ def test_grpo_trainer_with_lora_generates_with_it(tmp_path, monkeypatch):
     moved = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert moved
     assert base and all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if "base_layer" in n)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="oneDNN computes no bf16 here")
+def test_a_bf16_model_with_its_lora_adapter_folded_into_packed_weights():
+    """The demo's setting on a CPU with bf16 units: a bf16 base, float32 adapters folded into bf16 packed weights
+    (nothing merged); the flat step computes what the model's forward computes with them."""
+    from peft import LoraConfig, get_peft_model
+
+    tok = tiny_tokenizer()
+    peft = get_peft_model(llama(tok, seed=4).to(torch.bfloat16), LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)).eval()
+    inner = peft.base_model.model
+    ids, mask = prompts(tok, ["hello there", "hi"], g=2)
+    with decoding_weights(peft, pack=True):
+        assert not any(getattr(m, "merged", False) for m in peft.modules()) and llama_stepper(inner) is not None
+        assert_same_steps(inner, ids, mask, group=2)

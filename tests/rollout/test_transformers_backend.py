@@ -117,9 +117,10 @@ def test_top_k_zero_samples_the_whole_vocabulary(top_k, most):
 def test_generation_leaves_the_lora_base_weights_as_they_were(dtype):
     """LoRA is merged for generation and the base given back: bf16/fp16 (on a CPU) from a copy, bit for bit —
     unmerging alone would round them twice and they would drift, generation after generation (the check below would
-    see ~0.005 after five). float32 on a CPU with oneDNN is not merged at all: each layer computes with its adapter
-    folded into its packed weight, and the base is never written (without oneDNN: merged, then unmerged to ~1e-8)."""
-    from grpokit.rollout.packed import packed_weight, packing_available
+    see ~0.005 after five). float32 on a CPU with oneDNN, and bf16 where oneDNN computes bf16, is not merged at all:
+    each layer computes with its adapter folded into its packed weight, and the base is never written (without
+    oneDNN: merged, then unmerged to ~1e-8)."""
+    from grpokit.rollout.packed import packable_dtypes, packed_weight
 
     tok = tiny_tokenizer()
     model = _lora(tiny_model(tok), dtype)
@@ -131,7 +132,7 @@ def test_generation_leaves_the_lora_base_weights_as_they_were(dtype):
     for _ in range(5):
         TransformersRollout(tok).generate(model, ids, mask, SamplingParams(max_new_tokens=2))
     hook.remove()
-    folded = dtype == torch.float32 and packing_available()
+    folded = dtype in packable_dtypes()
     assert seen and all(s == ((False, True) if folded else (True, False)) for s in seen)
     assert not layer.merged and packed_weight(layer) is None and "forward" not in vars(layer)
     drift = max((model.state_dict()[k].float() - v.float()).abs().max().item() for k, v in base.items())
@@ -163,7 +164,8 @@ def test_lora_merged_gives_back_a_mixed_precision_base():
 
 
 def test_bf16_lora_generation_merged_matches_the_adapter_on_the_side(monkeypatch):
-    """The merged bf16 model samples what the unmerged one does (greedy, same tokens on a tiny model)."""
+    """The bf16 model with its adapter merged (or, where oneDNN computes bf16, folded into packed weights) samples what
+    the model with the adapter on the side does (greedy, same tokens on a tiny model)."""
     import contextlib
 
     from grpokit.rollout import transformers_backend
@@ -174,7 +176,7 @@ def test_bf16_lora_generation_merged_matches_the_adapter_on_the_side(monkeypatch
     params = SamplingParams(max_new_tokens=8, do_sample=False)
     merged = TransformersRollout(tok).generate(model, ids, mask, params)
     monkeypatch.setattr(transformers_backend, "lora_merged", lambda m: contextlib.nullcontext(False))
-    side = TransformersRollout(tok).generate(model, ids, mask, params)
+    side = TransformersRollout(tok, pack_weights=False).generate(model, ids, mask, params)
     assert torch.equal(merged.completion_ids, side.completion_ids)
 
 

@@ -230,19 +230,27 @@ def test_unshuffled_refill_stream_across_ranks(tmp_path):
 
 
 def test_lora_is_merged_once_per_generation_batch_and_given_back(tmp_path, monkeypatch):
-    """Dynamic sampling's rounds generate with one merge of the adapter (not one per round), and the bf16 base
-    weights come back exactly: training moves only the adapter."""
+    """Dynamic sampling's rounds generate with one merge of the adapter (not one per round) — or, where oneDNN
+    computes bf16, one fold of it into packed weights and no merge — and the bf16 base weights come back exactly:
+    training moves only the adapter."""
     from peft import LoraConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    merges = []
-    merge = LoraLinear.merge
+    from grpokit.rollout import packed
+
+    merges, folds = [], []
+    merge, fold = LoraLinear.merge, packed.folded_weight
 
     def counted(self, *a, **k):
         merges.append(self)
         return merge(self, *a, **k)
 
+    def counted_fold(layer):
+        folds.append(layer)
+        return fold(layer)
+
     monkeypatch.setattr(LoraLinear, "merge", counted)
+    monkeypatch.setattr(packed, "folded_weight", counted_fold)
     tok = tiny_tokenizer()
     model = tiny_model(tok).to(torch.bfloat16)
     base = {k: v.clone() for k, v in model.state_dict().items()}
@@ -252,7 +260,8 @@ def test_lora_is_merged_once_per_generation_batch_and_given_back(tmp_path, monke
     trainer.train()
     rounds = [h["dynamic_sampling/rounds"] for h in trainer.state.log_history if "dynamic_sampling/rounds" in h]
     assert len(rounds) == 2 and sum(rounds) > 2  # some batch took more than one round...
-    assert len(merges) == 2 * layers  # ...and each batch merged every LoRA layer once
+    prepared, unused = (folds, merges) if torch.bfloat16 in packed.packable_dtypes() else (merges, folds)
+    assert len(prepared) == 2 * layers and not unused  # ...and each batch merged (or folded) every LoRA layer once
     now = trainer.model.get_base_model().state_dict()
     for k, v in base.items():
         key = k if k in now else k.replace(".weight", ".base_layer.weight")
