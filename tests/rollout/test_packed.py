@@ -160,7 +160,7 @@ def test_a_bf16_base_is_folded_rounded_once_and_left_bit_for_bit():
     """A bf16 base with float32 adapters (PEFT's default): each LoRA layer computes with ``W + s·B·A`` summed in
     float32 and rounded once to bf16, the base weights are neither written nor merged into (they were merged and
     restored from a copy before), and the logits are those of the adapter beside the base within bf16 rounding."""
-    from grpokit.rollout.packed import folded_weight, foldable_lora, packed_linear, packed_weight
+    from grpokit.rollout.packed import foldable_lora, folded_weight, packed_linear, packed_weight
     from grpokit.rollout.transformers_backend import decoding_weights
 
     tok = tiny_tokenizer()
