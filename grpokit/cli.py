@@ -63,7 +63,8 @@ recipe search behind it and the measured runs."""
 
 def demo_spec(algo: str) -> dict[str, Any]:
     """The demo's job for ``--algo algo``: :data:`DEMO_SPEC`, the algorithm's own settings, and the model's weights in
-    bf16 where this CPU multiplies bf16 natively (AMX / AVX512-BF16), else float32 (docs/demo.md, "Why bf16")."""
+    bf16 where this CPU multiplies bf16 natively (AMX / AVX512-BF16) and measurably faster than float32, else float32
+    (:func:`grpokit.cpu_features.cpu_dtype`; docs/demo.md, "Why bf16")."""
     from .cpu_features import cpu_dtype
     from .job import JobError, algorithms
 

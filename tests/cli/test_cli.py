@@ -153,12 +153,14 @@ def test_eval_unknown_task_is_one_line(tiny_dir, capsys):
 
 @pytest.mark.parametrize("native,expected", [(True, "bfloat16"), (False, "float32")])
 def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_path, capsys, native, expected):
-    """The demo's dtype follows the CPU (bf16 matrix units or not); a dtype the user sets is kept."""
+    """The demo's dtype follows the CPU (bf16 matrix units, and bf16 measured faster, or not); a dtype the user sets is
+    kept."""
     import grpokit.cpu_features
     import grpokit.job
 
     specs = []
     monkeypatch.setattr(grpokit.cpu_features, "native_bf16", lambda: native)
+    monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: 5.0)  # bf16 clearly faster where it is native
     monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
     monkeypatch.chdir(tmp_path)
     assert main(["demo", "--quiet"]) == 0
@@ -174,8 +176,10 @@ def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_
 def test_native_bf16_reads_torch_cpu_probes(monkeypatch):
     import torch
 
+    import grpokit.cpu_features
     from grpokit.cpu_features import cpu_dtype, native_bf16
 
+    monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: 5.0)  # as AMX measures
     for amx, avx in [(False, False), (True, False), (False, True)]:
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda avx=avx: avx, raising=False)
@@ -184,6 +188,36 @@ def test_native_bf16_reads_torch_cpu_probes(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     assert not native_bf16()  # a torch without the probes: float32
+
+
+@pytest.mark.parametrize("speedup,expected", [(0.7, "float32"), (1.49, "float32"), (1.5, "bfloat16"), (2.8, "bfloat16")])
+def test_bf16_only_where_it_multiplies_clearly_faster(monkeypatch, speedup, expected):
+    """bf16 units are not enough: AVX512-BF16 kernels on Xeon cores (AMX capped) measured 0.7x float32's speed, an
+    AMD EPYC's 2.8x, AMX ~5x; the demo takes bf16 from 1.5x. A CPU without the units is not timed at all."""
+    import grpokit.cpu_features as features
+
+    monkeypatch.setattr(features, "native_bf16", lambda: True)
+    monkeypatch.setattr(features, "bf16_speedup", lambda: speedup)
+    assert features.cpu_dtype() == expected
+    monkeypatch.setattr(features, "native_bf16", lambda: False)
+    monkeypatch.setattr(features, "bf16_speedup", lambda: pytest.fail("timed"))
+    assert features.cpu_dtype() == "float32"
+
+
+def test_bf16_speedup_times_both_dtypes_on_one_thread_and_gives_the_threads_back(monkeypatch):
+    import torch
+
+    from grpokit.cpu_features import bf16_speedup
+
+    seen = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w: seen.append((x.dtype, w.dtype, torch.get_num_threads())) or linear(x, w))
+    before = torch.get_num_threads()
+    ratio = bf16_speedup(rounds=2)
+    assert ratio > 0 and torch.get_num_threads() == before
+    assert {d for d, _, _ in seen} == {torch.float32, torch.bfloat16} and all(a == b for a, b, _ in seen)
+    assert len(seen) == 2 * 3 * 4 and {t for _, _, t in seen} == {1}
 
 
 def test_a_job_loads_with_model_init_kwargs_and_the_trainer_does_not_call_them_ignored(tmp_path, tiny_dir, caplog):
