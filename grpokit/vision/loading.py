@@ -47,14 +47,20 @@ def processor_without_video(cls: type) -> type:
         return list(attributes)
 
     def from_args_and_dict(sub, args, processor_dict, **kwargs):
-        return super(sub, sub).from_args_and_dict.__func__(sub, args, processor_dict, video_processor=None, **kwargs)
+        return super(sub, sub).from_args_and_dict.__func__(sub, args, processor_dict,
+                                                           **{**kwargs, "video_processor": None})
+
+    def from_dict(sub, processor_dict, **kwargs):  # what from_pretrained builds with since transformers 5.25
+        return super(sub, sub).from_dict.__func__(sub, processor_dict, **{**kwargs, "video_processor": None})
 
     # transformers reads the sub-processors from ``get_attributes`` and saves only what is in the instance's
     # ``__dict__``: the stand-in, a class attribute, is never saved
+    methods = {"get_attributes": classmethod(get_attributes), "from_args_and_dict": classmethod(from_args_and_dict)}
+    if hasattr(cls, "from_dict"):
+        methods["from_dict"] = classmethod(from_dict)
     return type(cls.__name__, (cls,), {
-        "get_attributes": classmethod(get_attributes), "from_args_and_dict": classmethod(from_args_and_dict),
-        "video_processor": NoVideoProcessor(), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "grpokit_image_only": True})
+        **methods, "video_processor": NoVideoProcessor(), "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__, "grpokit_image_only": True})
 
 
 def needs_video_fallback(cls: type) -> bool:
