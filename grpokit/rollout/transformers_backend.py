@@ -31,9 +31,9 @@ def lora_merged(model: torch.nn.Module) -> Iterator[bool]:
     LoRA-wrapped weights are copied first and copied back after: exact, for one copy of those weights in memory.
     That merge is what lets a bf16 model generate in bf16 on a CPU: left unmerged, every LoRA layer casts its input
     to the adapter's float32 and back, and that costs as much as bf16 saves. Where oneDNN computes bf16 the adapters
-    are folded into packed weights instead (:func:`decoding_weights`), and this merge is not used. On an accelerator a bf16/fp16 base is
-    not merged (the copy would take accelerator memory; generating with the adapter on the side is what TRL does),
-    nor is a quantised base (QLoRA, 4-/8-bit)."""
+    are folded into packed weights instead (:func:`decoding_weights`), and this merge is not used. On an accelerator
+    a bf16/fp16 base is not merged (the copy would take accelerator memory; generating with the adapter on the side
+    is what TRL does), nor is a quantised base (QLoRA, 4-/8-bit)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tuner_layers = [m for m in base.modules() if hasattr(m, "merged_adapters")]  # PEFT's record of what is merged
     if (not hasattr(model, "merge_adapter") or not getattr(model, "peft_config", None)
