@@ -4,20 +4,27 @@ bf16 matrix products run on AMX tiles or AVX512-BF16 units where the CPU has the
 takes 5.6 s in bf16 against 6.6 s in float32 on a 2-core AMX CPU (benchmarks/RESULTS.md), and the demo fits 42-60
 steps into its budget against 28-35. Without those units torch emulates bf16 arithmetic, slower than float32, so
 float32 stays the choice there. Having the units is not enough: on a Xeon's cores with AMX turned off
-(``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``) oneDNN's AVX512-BF16 kernels multiply a prefill-sized product at 0.75× the
-speed of float32 (whose AVX512 units that CPU has twice), where an AMD EPYC's reach 2.8× and AMX 6×: so the choice
-also times one such product in both dtypes (:func:`bf16_speedup`, ~0.1 s) and takes bf16 only where it is clearly
-faster (:data:`BF16_MIN_SPEEDUP`).
+(``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``) oneDNN's AVX512-BF16 kernels multiply a prefill-sized product at
+0.65-0.82× the speed of float32 (whose AVX512 units that CPU has twice), where an AMD EPYC's reach 2.8× and AMX ~5×:
+so the choice also times one such product in both dtypes (:func:`bf16_speedup`, 0.1-0.4 s) and takes bf16 only where
+it is clearly faster (:data:`BF16_MIN_SPEEDUP`). The timing is made once per machine and kept
+(:func:`measured_bf16_speedup`), so every later demo there — another seed, a resumed run — takes the same dtype, as
+the choice by CPU flags alone did.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 BF16_MIN_SPEEDUP = 1.5
 """bf16 is chosen where it multiplies at least this many times faster than float32: far from both sides measured
-(0.75× on AVX512-BF16 Xeon cores, 2.8× on an AMD EPYC, 6× with AMX), so a busy machine's timing noise does not flip
-it."""
+(0.65-0.82× on AVX512-BF16 Xeon cores, 2.8× on an AMD EPYC, ~5× with AMX), so a busy machine's timing noise does
+not flip it."""
+
+SPEEDUP_FILE = "bf16-speedup.json"
+"""In grpokit's cache folder: :func:`bf16_speedup` by machine (:func:`machine_key`)."""
 
 
 def native_bf16() -> bool:
@@ -43,27 +50,68 @@ def bf16_speedup(rounds: int = 5) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: no core's stall (another process on it) holds up the others at a barrier
     try:
-        return _timed_ratio(torch, rounds)
+        with torch.no_grad():
+            a = torch.randn(256, 576, generator=torch.Generator().manual_seed(0))
+            w = torch.randn(1536, 576, generator=torch.Generator().manual_seed(1))
+            pairs = {torch.float32: (a, w), torch.bfloat16: (a.bfloat16(), w.bfloat16())}
+            best = dict.fromkeys(pairs, float("inf"))
+            for _ in range(rounds + 1):  # the first round warms each kernel up
+                for dtype, (x, y) in pairs.items():
+                    start = time.perf_counter()
+                    for _ in range(4):
+                        torch.nn.functional.linear(x, y)
+                    best[dtype] = min(best[dtype], time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-
-
-def _timed_ratio(torch, rounds: int) -> float:
-    with torch.no_grad():
-        a = torch.randn(256, 576, generator=torch.Generator().manual_seed(0))
-        w = torch.randn(1536, 576, generator=torch.Generator().manual_seed(1))
-        pairs = {torch.float32: (a, w), torch.bfloat16: (a.bfloat16(), w.bfloat16())}
-        best = dict.fromkeys(pairs, float("inf"))
-        for _ in range(rounds + 1):  # the first round warms each kernel up
-            for dtype, (x, y) in pairs.items():
-                start = time.perf_counter()
-                for _ in range(4):
-                    torch.nn.functional.linear(x, y)
-                best[dtype] = min(best[dtype], time.perf_counter() - start)
     return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
+
+
+def machine_key() -> str:
+    """What :func:`bf16_speedup` depends on: the CPU's model name and its vector/matrix flags (a virtual machine's
+    name can be as plain as "Intel(R) Xeon(R) Processor", and a shared home folder serves several machines), the
+    instruction set oneDNN is capped to (``ONEDNN_MAX_CPU_ISA``) and torch's version."""
+    import platform
+
+    import torch
+
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            info = dict(line.split(":", 1) for line in f if ":" in line and not line.startswith("processor"))
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        name = info.get("model name", name)
+        flags = " ".join(sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "amx", "fma"))))
+    except OSError:
+        pass
+    return (f"{name} [{flags}] | ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '')} | "
+            f"torch {torch.__version__}")
+
+
+def measured_bf16_speedup() -> float:
+    """:func:`bf16_speedup` as first measured on this machine (:func:`machine_key`), kept in grpokit's cache folder
+    (``$GRPOKIT_CACHE`` or ``~/.cache/grpokit``); measured and kept on first use. A cache that cannot be read or
+    written is ignored: it is then measured every time."""
+    from .config_names import cache_dir
+    from .files import atomic_write_text
+
+    path, key = cache_dir() / SPEEDUP_FILE, machine_key()
+    try:
+        known = json.loads(path.read_text())
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), (int, float)):
+        return float(known[key])
+    speedup = bf16_speedup()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({**known, key: speedup}, indent=1, sort_keys=True))
+    except OSError:
+        pass
+    return speedup
 
 
 def cpu_dtype() -> str:
     """``"bfloat16"`` where :func:`native_bf16` and bf16 multiplies at least :data:`BF16_MIN_SPEEDUP` times faster
-    than float32 (:func:`bf16_speedup`), else ``"float32"``."""
-    return "bfloat16" if native_bf16() and bf16_speedup() >= BF16_MIN_SPEEDUP else "float32"
+    than float32 on this machine (:func:`measured_bf16_speedup`), else ``"float32"``."""
+    return "bfloat16" if native_bf16() and measured_bf16_speedup() >= BF16_MIN_SPEEDUP else "float32"

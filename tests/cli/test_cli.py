@@ -151,21 +151,26 @@ def test_eval_unknown_task_is_one_line(tiny_dir, capsys):
     assert "no_such_task" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("native,expected", [(True, "bfloat16"), (False, "float32")])
-def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_path, capsys, native, expected):
-    """The demo's dtype follows the CPU (bf16 matrix units, and bf16 measured faster, or not); a dtype the user sets is
-    kept."""
+@pytest.mark.parametrize("native,speedup,expected", [(True, 5.0, "bfloat16"), (True, 0.7, "float32"),
+                                                      (False, 5.0, "float32")])
+def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_path, capsys, native, speedup,
+                                                               expected):
+    """The demo's dtype follows the CPU (bf16 matrix units, and bf16 measured faster: AMX ~5x; AVX512-BF16 on Xeon
+    cores 0.7x), or not; a dtype the user sets is kept."""
     import grpokit.cpu_features
     import grpokit.job
 
     specs = []
+    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(grpokit.cpu_features, "native_bf16", lambda: native)
-    monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: 5.0)  # bf16 clearly faster where it is native
+    monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: speedup)
     monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
     monkeypatch.chdir(tmp_path)
     assert main(["demo", "--quiet"]) == 0
     assert specs[-1]["model_init_kwargs"] == {"dtype": expected}
     assert f"(LoRA, {expected} weights)" in capsys.readouterr().out
+    # timed once and kept for the machine where the CPU has the units; not timed at all where it has not
+    assert (tmp_path / "cache" / grpokit.cpu_features.SPEEDUP_FILE).is_file() == native
     assert main(["demo", "--quiet", "--set", "model_init_kwargs={dtype: float16}"]) == 0
     assert specs[-1]["model_init_kwargs"] == {"dtype": "float16"}
     assert main(["demo", "--quiet", "--finish-within", "590", "--started-at", "1700000000"]) == 0
@@ -173,12 +178,13 @@ def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_
     assert specs[-1]["time_budget_s"] == 550  # the cap stays; the job cuts it where less time is left
 
 
-def test_native_bf16_reads_torch_cpu_probes(monkeypatch):
+def test_native_bf16_reads_torch_cpu_probes(monkeypatch, tmp_path):
     import torch
 
     import grpokit.cpu_features
     from grpokit.cpu_features import cpu_dtype, native_bf16
 
+    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: 5.0)  # as AMX measures
     for amx, avx in [(False, False), (True, False), (False, True)]:
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
@@ -191,17 +197,46 @@ def test_native_bf16_reads_torch_cpu_probes(monkeypatch):
 
 
 @pytest.mark.parametrize("speedup,expected", [(0.7, "float32"), (1.49, "float32"), (1.5, "bfloat16"), (2.8, "bfloat16")])
-def test_bf16_only_where_it_multiplies_clearly_faster(monkeypatch, speedup, expected):
+def test_bf16_only_where_it_multiplies_clearly_faster(monkeypatch, tmp_path, speedup, expected):
     """bf16 units are not enough: AVX512-BF16 kernels on Xeon cores (AMX capped) measured 0.7x float32's speed, an
     AMD EPYC's 2.8x, AMX ~5x; the demo takes bf16 from 1.5x. A CPU without the units is not timed at all."""
     import grpokit.cpu_features as features
 
+    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(features, "native_bf16", lambda: True)
     monkeypatch.setattr(features, "bf16_speedup", lambda: speedup)
     assert features.cpu_dtype() == expected
     monkeypatch.setattr(features, "native_bf16", lambda: False)
     monkeypatch.setattr(features, "bf16_speedup", lambda: pytest.fail("timed"))
     assert features.cpu_dtype() == "float32"
+
+
+def test_bf16_speedup_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """The timing is kept in the cache by machine (CPU, oneDNN's cap, torch): a later demo on the machine (another
+    seed, a resume) takes the same dtype without timing again; another cap is another machine; a cache that cannot
+    be read is measured again and rewritten, one that cannot be written is measured every time."""
+    import json
+
+    import grpokit.cpu_features as features
+
+    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    timed = []
+    monkeypatch.setattr(features, "bf16_speedup", lambda: timed.append(1) or 2.5 * len(timed))
+    assert features.measured_bf16_speedup() == 2.5 and timed == [1]
+    assert features.measured_bf16_speedup() == 2.5 and timed == [1]  # kept: not timed again
+    kept = json.loads((tmp_path / features.SPEEDUP_FILE).read_text())
+    assert kept == {features.machine_key(): 2.5} and "torch" in features.machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert features.measured_bf16_speedup() == 5.0 and len(timed) == 2  # another cap: measured, kept beside
+    assert len(json.loads((tmp_path / features.SPEEDUP_FILE).read_text())) == 2
+    (tmp_path / features.SPEEDUP_FILE).write_text("{not json")
+    assert features.measured_bf16_speedup() == 7.5 and len(timed) == 3
+    assert features.measured_bf16_speedup() == 7.5 and len(timed) == 3
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("GRPOKIT_CACHE", str(blocked))  # the cache folder cannot be made
+    assert features.measured_bf16_speedup() == 10.0 and features.measured_bf16_speedup() == 12.5
 
 
 def test_bf16_speedup_times_both_dtypes_on_one_thread_and_gives_the_threads_back(monkeypatch):
