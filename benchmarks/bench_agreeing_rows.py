@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(adapter: str, prompts: int, repeats: int, long_rows: int = 0) -> dict:
+def child(adapter: str, prompts: int, repeats: int, long_rows: int = 0, dtype: str = "float32") -> dict:
     import torch
     from peft import PeftModel
 
@@ -44,7 +44,7 @@ def child(adapter: str, prompts: int, repeats: int, long_rows: int = 0) -> dict:
 
     tok = load_tokenizer("smollm2-135m-instruct")
     tok.padding_side = "left"
-    model = PeftModel.from_pretrained(load_model("smollm2-135m-instruct", dtype="float32"), adapter, is_trainable=True)
+    model = PeftModel.from_pretrained(load_model("smollm2-135m-instruct", dtype=dtype), adapter, is_trainable=True)
     rows = list(get_task("arithmetic", seed=0).train_dataset)[:prompts]
     texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
              for r in rows for _ in range(4)]
@@ -93,10 +93,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats of each part in a run")
     ap.add_argument("--runs", type=int, default=2, help="alternated runs per side")
     ap.add_argument("--long-rows", type=int, default=0, help="rows of the training batch made 30 tokens long")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the base weights' dtype")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.adapter, args.prompts, args.repeats, args.long_rows)))
+        print(json.dumps(child(args.adapter, args.prompts, args.repeats, args.long_rows, args.dtype)))
         return
     if not args.before:
         ap.error("--before is required: a checkout of grpokit to compare with")
@@ -106,7 +107,8 @@ def main() -> None:
         for side, src in sides.items():
             env = dict(os.environ, PYTHONPATH=src)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--adapter", args.adapter,
-                   "--prompts", str(args.prompts), "--repeats", str(args.repeats), "--long-rows", str(args.long_rows)]
+                   "--prompts", str(args.prompts), "--repeats", str(args.repeats), "--long-rows", str(args.long_rows),
+                   "--dtype", args.dtype]
             done = subprocess.run(cmd, env=env, cwd=src, capture_output=True, text=True, check=True)
             res = json.loads(done.stdout.strip().splitlines()[-1])
             results[side].append(res)

@@ -4,11 +4,12 @@ A decode step multiplies a few rows by every weight matrix of the model. torch's
 float32, oneDNN's matmul in bf16) repacks each weight on every call; oneDNN's inner-product primitive with a weight
 packed once into its blocked layout reads it as it is. On a 2-core AMD EPYC (AVX2 only) a whole decode step of
 SmolLM2-135M in float32 took 63 instead of 82 ms at 8 rows and 114 instead of 134 ms at 32
-(``benchmarks/bench_packed.py``, benchmarks/RESULTS.md); in bf16 on a 2-core Xeon with AMX the matmuls of one layer
-and the head took half the time packed at 8-128 rows. Packing every weight takes ~0.2 s and one more copy of the
-linear weights in memory for as long as the context lasts; the results equal the unpacked layers' up to float
-rounding (another summation order). float32 weights on a CPU with oneDNN, and bf16 ones where oneDNN computes bf16
-(:func:`packable_dtypes`: AVX512-BF16, AMX, AVX-NE-CONVERT); anything else is left as is.
+(``benchmarks/bench_packed.py``, benchmarks/RESULTS.md); in bf16 on a 2-core Xeon with AMX a whole step (through
+transformers' forward) took 43 instead of 51 ms at 8 rows and 114 instead of 130 at 128, its matmuls alone half.
+Packing every weight takes ~0.2 s and one more copy of the linear weights in memory for as long as the context lasts;
+the results equal the unpacked layers' up to float rounding (another summation order). float32 weights on a CPU with
+oneDNN, and bf16 ones where oneDNN computes bf16 (:func:`packable_dtypes`: AVX512-BF16, AMX, AVX-NE-CONVERT);
+anything else is left as is.
 
 A PEFT LoRA layer is packed with its adapter folded in, ``W + s·B·A`` (summed in float32, rounded once to the base
 weight's dtype), without writing that into ``W`` (what merging and unmerging the adapter around generation did: on
