@@ -9,7 +9,8 @@ checkpointing, loss dapo, beta 0, the same seed, weights and prompts (no shuffli
     python benchmarks/bench_step.py --lora --dtype bfloat16     # the demo's setting: LoRA r16 on bf16 weights
 
 Per step it records wall time and where it went: ``generate`` (TRL: the model's ``generate``; grpokit: its rollout
-backend's ``generate``, prefill, LoRA merge and weight packing included), ``forward`` (the
+backend's ``generate`` and the ``generation_batch`` context the trainer holds around a batch's generation calls:
+prefill, LoRA fold or merge and weight packing included), ``forward`` (the
 trainer's ``compute_loss``: log-probs + loss), ``backward`` (``accelerator.backward``) and ``rest`` (rewards,
 tokenising, optimizer, bookkeeping). The first step is warm-up and not counted. ``GRPOKIT_SRC`` points the
 grpokit child at another checkout (e.g. the code before a change) to compare rewards and profiles.
@@ -18,6 +19,7 @@ grpokit child at another checkout (e.g. the code before a change) to compare rew
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -81,12 +83,25 @@ def child(side: str, steps: int, seed: int, threads: int = 0, lora: bool = False
                 spent[key] += time.perf_counter() - t0
         return wrapper
 
+    def timed_context(key, enter):
+        @contextlib.contextmanager
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            with enter(*a, **k):
+                spent[key] += time.perf_counter() - t0
+                yield
+                t0 = time.perf_counter()
+            spent[key] += time.perf_counter() - t0
+        return wrapper
+
     if side == "trl":  # the model's generate
         cls = type(model)
         cls.generate = timed("generate", cls.generate)
-    else:  # the rollout backend's (grpokit's decode loop does not call the model's generate)
-        cls = type(trainer.rollout)
+    else:  # the rollout backend's (grpokit's decode loop does not call the model's generate), and its
+        cls = type(trainer.rollout)  # generation_batch context around a batch's calls (LoRA fold, weight packing)
         cls.generate = timed("generate", cls.generate)
+        if hasattr(cls, "generation_batch"):  # (an older checkout with --before may lack it)
+            cls.generation_batch = timed_context("generate", cls.generation_batch)
     trainer.compute_loss = timed("forward", trainer.compute_loss)
     trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
 
