@@ -178,6 +178,24 @@ def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_
     assert specs[-1]["time_budget_s"] == 550  # the cap stays; the job cuts it where less time is left
 
 
+def test_demo_trains_with_dapos_loss_unless_algo_says_otherwise(monkeypatch, tmp_path):
+    """`grpokit demo` without --algo: the job it runs prepares a GRPOConfig with DAPO's loss (token-level, the upper
+    clip 0.28); --algo grpo gives GRPO's per-sequence mean with the symmetric clip."""
+    import grpokit.job
+    from grpokit.job import prepare
+
+    specs = []
+    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--quiet"]) == 0
+    assert main(["demo", "--quiet", "--algo", "grpo"]) == 0
+    (_, dapo, *_), (_, grpo, *_) = (prepare(dict(spec)) for spec in specs)
+    assert (dapo.loss_type, dapo.epsilon, dapo.epsilon_high) == ("dapo", 0.2, 0.28)
+    assert (grpo.loss_type, grpo.epsilon_high) == ("grpo", None)  # the upper clip is epsilon
+    assert dapo.learning_rate == grpo.learning_rate == 5e-4  # the rest of the recipe is the same
+
+
 def test_native_bf16_reads_torch_cpu_probes(monkeypatch, tmp_path):
     import torch
 
