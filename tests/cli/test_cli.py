@@ -196,6 +196,33 @@ def test_demo_trains_with_dapos_loss_unless_algo_says_otherwise(monkeypatch, tmp
     assert dapo.learning_rate == grpo.learning_rate == 5e-4  # the rest of the recipe is the same
 
 
+def test_demo_learning_rate_warms_up_holds_then_decays(monkeypatch, tmp_path):
+    """The demo's schedule as transformers' Trainer builds it from the prepared config: 0 -> 5e-4 over 10 steps, held
+    to step 50, then linearly to 0 at step 130 (a run stopped by time earlier ends part way down)."""
+    import torch
+    from transformers import get_scheduler
+
+    import grpokit.job
+    from grpokit.job import prepare
+
+    specs = []
+    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--quiet"]) == 0
+    _, config, *_ = prepare(dict(specs[-1]))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
+    schedule = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.get_warmup_steps(
+        config.max_steps), num_training_steps=config.max_steps, scheduler_specific_kwargs=config.lr_scheduler_kwargs)
+    lrs = []
+    for _ in range(config.max_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs[0] == 0 and lrs[5] == pytest.approx(2.5e-4) and lrs[10] == lrs[49] == 5e-4
+    assert lrs[90] == pytest.approx(2.5e-4) and lrs[129] == pytest.approx(5e-4 / 80) and lrs[130] == lrs[-1] == 0
+
+
 def test_native_bf16_reads_torch_cpu_probes(monkeypatch, tmp_path):
     import torch
 
