@@ -403,6 +403,9 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .reproducible import reproducible_blas
+
+    reproducible_blas()  # before anything multiplies: MKL takes the setting once (grpokit/reproducible.py)
     _quiet_libraries()
     parser = build_parser()
     ns = parser.parse_args(argv)
