@@ -35,6 +35,13 @@ def wait_until(condition, what: str, limit: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.fixture(autouse=True)
+def no_abandoned_call_left_from_other_files():
+    """These tests count the process's abandoned calls: one left running by another file on this worker (the
+    reliability battery abandons a reward that sleeps 30 s) ends first."""
+    wait_until(lambda: not user_calls.abandoned_running(), "the end of calls abandoned before this test")
+
+
 def test_a_call_within_its_bound_returns_or_raises_as_it_is():
     assert call(lambda a, b=0: a + b, args=(2,), kwargs={"b": 3}, timeout_s=ROOMY, what="add") == 5
 
