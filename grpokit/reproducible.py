@@ -1,4 +1,4 @@
-"""Runs of one seed on one machine that repeat bit for bit on a CPU with more than one thread.
+"""Runs of one seed on one machine that take the same steps on a CPU with more than one thread.
 
 Intel MKL, torch's BLAS on x86 CPUs, does not promise the same bits for the same product from run to run when it
 runs threaded, unless its conditional numerical reproducibility (CNR) is asked for. Training amplifies last bits: on a
