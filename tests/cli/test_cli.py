@@ -151,66 +151,64 @@ def test_eval_unknown_task_is_one_line(tiny_dir, capsys):
     assert "no_such_task" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("native,speedup,expected", [(True, 5.0, "bfloat16"), (True, 0.7, "float32"),
-                                                      (False, 5.0, "float32")])
-def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_path, capsys, native, speedup,
-                                                               expected):
-    """The demo's dtype follows the CPU (bf16 matrix units, and bf16 measured faster: AMX ~5x; AVX512-BF16 on Xeon
-    cores 0.7x), or not; a dtype the user sets is kept."""
-    import grpokit.cpu_features
+@pytest.fixture
+def demo_specs(monkeypatch, tmp_path):
+    """The job specs `grpokit demo` hands to the job runner (which runs nothing here), in call order; a fresh cache
+    folder and working directory."""
     import grpokit.job
 
     specs = []
     monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(grpokit.cpu_features, "native_bf16", lambda: native)
-    monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: speedup)
     monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
     monkeypatch.chdir(tmp_path)
+    return specs
+
+
+@pytest.mark.parametrize("native,speedup,expected", [(True, 5.0, "bfloat16"), (True, 0.7, "float32"),
+                                                      (False, 5.0, "float32")])
+def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_path, capsys, demo_specs, native,
+                                                               speedup, expected):
+    """The demo's dtype follows the CPU (bf16 matrix units, and bf16 measured faster: AMX ~5x; AVX512-BF16 on Xeon
+    cores 0.7x), or not; a dtype the user sets is kept."""
+    import grpokit.cpu_features
+
+    monkeypatch.setattr(grpokit.cpu_features, "native_bf16", lambda: native)
+    monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: speedup)
     assert main(["demo", "--quiet"]) == 0
-    assert specs[-1]["model_init_kwargs"] == {"dtype": expected}
+    assert demo_specs[-1]["model_init_kwargs"] == {"dtype": expected}
     assert f"(LoRA, {expected} weights)" in capsys.readouterr().out
     # timed once and kept for the machine where the CPU has the units; not timed at all where it has not
     assert (tmp_path / "cache" / grpokit.cpu_features.SPEEDUP_FILE).is_file() == native
     assert main(["demo", "--quiet", "--set", "model_init_kwargs={dtype: float16}"]) == 0
-    assert specs[-1]["model_init_kwargs"] == {"dtype": "float16"}
+    assert demo_specs[-1]["model_init_kwargs"] == {"dtype": "float16"}
     assert main(["demo", "--quiet", "--finish-within", "590", "--started-at", "1700000000"]) == 0
-    assert specs[-1]["finish_within_s"] == 590 and specs[-1]["started_at"] == 1700000000
-    assert specs[-1]["time_budget_s"] == 550  # the cap stays; the job cuts it where less time is left
+    assert demo_specs[-1]["finish_within_s"] == 590 and demo_specs[-1]["started_at"] == 1700000000
+    assert demo_specs[-1]["time_budget_s"] == 550  # the cap stays; the job cuts it where less time is left
 
 
-def test_demo_trains_with_dapos_loss_unless_algo_says_otherwise(monkeypatch, tmp_path):
+def test_demo_trains_with_dapos_loss_unless_algo_says_otherwise(demo_specs):
     """`grpokit demo` without --algo: the job it runs prepares a GRPOConfig with DAPO's loss (token-level, the upper
     clip 0.28); --algo grpo gives GRPO's per-sequence mean with the symmetric clip."""
-    import grpokit.job
     from grpokit.job import prepare
 
-    specs = []
-    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
-    monkeypatch.chdir(tmp_path)
     assert main(["demo", "--quiet"]) == 0
     assert main(["demo", "--quiet", "--algo", "grpo"]) == 0
-    (_, dapo, *_), (_, grpo, *_) = (prepare(dict(spec)) for spec in specs)
+    (_, dapo, *_), (_, grpo, *_) = (prepare(dict(spec)) for spec in demo_specs)
     assert (dapo.loss_type, dapo.epsilon, dapo.epsilon_high) == ("dapo", 0.2, 0.28)
     assert (grpo.loss_type, grpo.epsilon_high) == ("grpo", None)  # the upper clip is epsilon
     assert dapo.learning_rate == grpo.learning_rate == 5e-4  # the rest of the recipe is the same
 
 
-def test_demo_learning_rate_warms_up_holds_then_decays(monkeypatch, tmp_path):
+def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs):
     """The demo's schedule as transformers' Trainer builds it from the prepared config: 0 -> 5e-4 over 10 steps, held
     to step 50, then linearly to 0 at step 130 (a run stopped by time earlier ends part way down)."""
     import torch
     from transformers import get_scheduler
 
-    import grpokit.job
     from grpokit.job import prepare
 
-    specs = []
-    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
-    monkeypatch.chdir(tmp_path)
     assert main(["demo", "--quiet"]) == 0
-    _, config, *_ = prepare(dict(specs[-1]))
+    _, config, *_ = prepare(dict(demo_specs[-1]))
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
     schedule = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.get_warmup_steps(
         config.max_steps), num_training_steps=config.max_steps, scheduler_specific_kwargs=config.lr_scheduler_kwargs)

@@ -15,7 +15,7 @@ import torch
 from grpokit.cli import main
 
 
-def test_the_command_sets_strict_reproducibility_unless_the_user_chose(monkeypatch, capsys):
+def test_the_command_sets_strict_reproducibility_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("MKL_CBWR", raising=False)
     assert main(["tasks"]) == 0
     assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
