@@ -199,19 +199,21 @@ def test_demo_trains_with_dapos_loss_unless_algo_says_otherwise(demo_specs):
     assert dapo.learning_rate == grpo.learning_rate == 5e-4  # the rest of the recipe is the same
 
 
-def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs):
-    """The demo's schedule as transformers' Trainer builds it from the prepared config: 0 -> 5e-4 over 10 steps, held
-    to step 50, then linearly to 0 at step 130 (a run stopped by time earlier ends part way down)."""
-    import torch
-    from transformers import get_scheduler
+def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs, tmp_path):
+    """The demo's schedule as its GRPOTrainer builds it (transformers' create_optimizer_and_scheduler, what train()
+    calls) from the prepared config: 0 -> 5e-4 over 10 steps, held to step 50, then linearly to 0 at step 130 (a run
+    stopped by time earlier ends part way down)."""
+    from tiny import tiny_model, tiny_tokenizer
 
     from grpokit.job import prepare
+    from grpokit.trainer import GRPOTrainer
 
     assert main(["demo", "--quiet"]) == 0
-    _, config, *_ = prepare(dict(demo_specs[-1]))
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
-    schedule = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.get_warmup_steps(
-        config.max_steps), num_training_steps=config.max_steps, scheduler_specific_kwargs=config.lr_scheduler_kwargs)
+    _, config, task, rewards, *_ = prepare({**demo_specs[-1], "output_dir": str(tmp_path / "run")})
+    tok = tiny_tokenizer()
+    trainer = GRPOTrainer(tiny_model(tok), rewards, args=config, train_dataset=task.train_dataset, processing_class=tok)
+    trainer.create_optimizer_and_scheduler(num_training_steps=config.max_steps)
+    optimizer, schedule = trainer.optimizer, trainer.lr_scheduler
     lrs = []
     for _ in range(config.max_steps):
         lrs.append(optimizer.param_groups[0]["lr"])
