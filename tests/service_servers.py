@@ -45,11 +45,19 @@ class _Handler(BaseHTTPRequestHandler):
             action = fault.script.popleft() if fault.script else ("ok",)
             fault.in_flight += 1
             fault.max_in_flight = max(fault.max_in_flight, fault.in_flight)
+        self._answered = False
         try:
             self._act(action, body)
         finally:
-            with fault.lock:
-                fault.in_flight -= 1
+            self._answering()
+
+    def _answering(self):
+        """A request stops counting as in flight when its answer starts to go out: the client may send its next one
+        as soon as it has read it, before this handler's thread gets back here."""
+        if not getattr(self, "_answered", True):
+            self._answered = True
+            with self.server.owner.lock:
+                self.server.owner.in_flight -= 1
 
     def _act(self, action: tuple, body: dict):
         fault = self.server.owner
@@ -61,6 +69,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._raw(200, b'{"id": "x", "choices": [{"index": 0, "mess')
         elif kind == "drop":
             self.close_connection = True
+            self._answering()
             self.connection.shutdown(socket.SHUT_RDWR)
         else:
             if kind == "slow":
@@ -71,6 +80,7 @@ class _Handler(BaseHTTPRequestHandler):
                 pass
 
     def _raw(self, code: int, data: bytes, headers: dict | None = None):
+        self._answering()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
