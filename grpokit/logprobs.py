@@ -18,6 +18,7 @@ import copy
 import torch
 
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
+from .fused_lora import fused_lora
 from .prefix import (
     MIN_SHARED_PREFIX,
     accepts_cache,
@@ -342,22 +343,23 @@ def completion_logps(
              and _shares_prompts(model))
     step = batch_size or b
     logps, ents = [], []
-    for start in range(0, b, step):
-        sl = slice(start, start + step)
-        rows = (prompt_ids[sl], prompt_mask[sl], completion_ids[sl], completion_mask[sl])
-        vis = vision.select(range(start, min(b, start + step))) if vision is not None else None
-        aux = [] if aux_losses is not None else None
-        out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux, vis) if head \
-            else None
-        if out is None:
-            head = None  # this model does not fit the lean path: the plain path from now on
+    with fused_lora(model):  # (the trainer's training step holds it around the backward too: see GRPOTrainer)
+        for start in range(0, b, step):
+            sl = slice(start, start + step)
+            rows = (prompt_ids[sl], prompt_mask[sl], completion_ids[sl], completion_mask[sl])
+            vis = vision.select(range(start, min(b, start + step))) if vision is not None else None
             aux = [] if aux_losses is not None else None
-            out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux, vis)
-        if aux_losses is not None:
-            aux_losses.extend(aux)
-        logps.append(out[0])
-        if out[1] is not None:
-            ents.append(out[1])
+            out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux, vis) \
+                if head else None
+            if out is None:
+                head = None  # this model does not fit the lean path: the plain path from now on
+                aux = [] if aux_losses is not None else None
+                out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux, vis)
+            if aux_losses is not None:
+                aux_losses.extend(aux)
+            logps.append(out[0])
+            if out[1] is not None:
+                ents.append(out[1])
     if len(logps) == 1:
         return logps[0], (ents[0] if compute_entropy else None)
     return torch.cat(logps), (torch.cat(ents) if compute_entropy else None)

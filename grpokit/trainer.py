@@ -32,6 +32,7 @@ from .checkpoints import CheckpointingMixin
 from .config import GRPOConfig
 from .data import is_iterable_dataset
 from .entropy_control import EntropyBonus
+from .fused_lora import fused_lora
 from .logprobs import completion_logps
 from .metrics import MetricsStore
 from .models import cast_lm_head_to_fp32
@@ -335,7 +336,9 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         return GroupRepeatSampler(len(eval_dataset), g, 1, repeats=1, shuffle=False)
 
     # -- rollouts --------------------------------------------------------------------------------------------------
-    def _prepare_inputs(self, generation_batch: list[dict]) -> RolloutBatch:
+    def _prepare_inputs(self, generation_batch: list[dict] | RolloutBatch) -> RolloutBatch:
+        if isinstance(generation_batch, RolloutBatch):  # prepared already (training_step)
+            return generation_batch
         if not self.model.training:
             batch, stats = self.pipeline.evaluation_batch(generation_batch, self.driver)
             self._take_rollout_stats(stats, "eval")
@@ -444,6 +447,16 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         if self.accelerator.num_processes > 1:
             return sum(p.view(-1)[:1].sum() for p in model.parameters() if p.requires_grad) * 0.0
         return torch.zeros((), device=self.accelerator.device, requires_grad=True)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """transformers' training step, the rollouts taken first: the loss's forward and its backward (with gradient
+        checkpointing, the recomputed forward too) then run with each plain LoRA layer as one autograd operation
+        (:func:`grpokit.fused_lora.fused_lora`), and generation, outside it, folds the adapters into its own
+        weights as before."""
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with fused_lora(model):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..lora_layers import lora_layers, plain_adapter
+
 _PACKED = "_grpokit_packed_weight"
 """Set on a layer while it computes with a packed weight: that weight (so nested contexts pack once)."""
 
@@ -54,34 +56,15 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
-def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """PEFT's LoRA-wrapped layers of ``model`` (each with its adapters beside a ``base_layer``)."""
-    return [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
-
-
 def _foldable(layer: torch.nn.Module) -> bool:
-    """A LoRA layer computing ``base(x) + s·B(A(x))`` with one plain adapter over a packable base layer: not merged
-    or disabled, no DoRA or other variant, no biases on A and B, no transposed (``fan_in_fan_out``) base, no forward
-    of its own; its adapters' two matrices of one floating dtype (float32, as PEFT keeps them by default)."""
-    names = list(getattr(layer, "active_adapters", None) or [])
-    if (type(layer).__name__ != "Linear" or not type(layer).__module__.startswith("peft.tuners.lora")
-            or len(names) != 1 or getattr(layer, "merged", True) or getattr(layer, "disable_adapters", True)
-            or getattr(layer, "fan_in_fan_out", True) or "forward" in vars(layer) or not _packable(layer.base_layer)):
-        return False
-    name = names[0]
-    if name not in layer.lora_A or name not in layer.lora_B or name not in getattr(layer, "scaling", {}):
-        return False
-    a, b = layer.lora_A[name], layer.lora_B[name]
-    return (type(a) is torch.nn.Linear and type(b) is torch.nn.Linear and a.bias is None and b.bias is None
-            and a.weight.dtype == b.weight.dtype and a.weight.dtype.is_floating_point
-            and not (getattr(layer, "use_dora", None) or {}).get(name)
-            and not (getattr(layer, "lora_variant", None) or {}).get(name))
+    """A plain LoRA layer (:func:`grpokit.lora_layers.plain_adapter`) over a packable base layer."""
+    return plain_adapter(layer) is not None and _packable(layer.base_layer)
 
 
 def foldable_lora(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every LoRA layer of ``model`` when each can be packed with its adapter folded in (:func:`_foldable`), else none
     (the adapters are then merged before packing, all of them or none)."""
-    layers = _lora_layers(model) if packing_available() else []
+    layers = lora_layers(model) if packing_available() else []
     return layers if layers and all(_foldable(m) for m in layers) else []
 
 
@@ -98,7 +81,7 @@ def folded_weight(layer: torch.nn.Module) -> torch.Tensor:
 def lora_folded(model: torch.nn.Module) -> bool:
     """Whether ``model``'s LoRA layers compute with their adapters folded into packed weights (an enclosing
     :func:`packed_linears` block folded them)."""
-    return any(packed_weight(m) is not None for m in _lora_layers(model))
+    return any(packed_weight(m) is not None for m in lora_layers(model))
 
 
 def _packable(module: torch.nn.Module, dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
@@ -118,7 +101,7 @@ def packed_linears(model: torch.nn.Module, rows_hint: int = 32) -> Iterator[int]
     packed once, on entry)."""
     folded = foldable_lora(model)
     folded_ids = {id(m) for m in folded}  # LoRA layers folded here or by an enclosing block: their base layers and
-    covered = {id(x) for m in _lora_layers(model) if id(m) in folded_ids or packed_weight(m) is not None  # adapters
+    covered = {id(x) for m in lora_layers(model) if id(m) in folded_ids or packed_weight(m) is not None  # adapters
                for x in (m.base_layer, *m.lora_A.values(), *m.lora_B.values())}  # are not called: not packed
     dtypes = packable_dtypes()
     layers = [m for m in model.modules() if _packable(m, dtypes) and id(m) not in covered]
