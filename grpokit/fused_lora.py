@@ -8,7 +8,7 @@ tensors that need gradients (``x``, ``A``, ``B``; ``W`` is frozen), the scaling 
 same computation up to float rounding (the sum's order); what the fast paths of Unsloth's LoRA kernels also do.
 
 :func:`fused_lora` puts it in place of PEFT's forward for the block's duration, on the layers where it computes what
-PEFT would (:func:`grpokit.lora_layers.plain_adapter`, and at call time: input and base weight of one dtype, no
+PEFT would (:func:`grpokit.lora_layers.plain_adapter`, and at call time: input and base weight of one dtype or
 autocast, no dropout that acts, no arguments beyond the input); any other call goes to PEFT's forward."""
 
 from __future__ import annotations
@@ -69,21 +69,30 @@ class LoRALinear(torch.autograd.Function):
 
 def _forward(layer: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A plain LoRA layer's forward with :class:`LoRALinear` where the call allows it, else PEFT's (bound to the layer
-    as a method, so a copy of the layer made inside the block computes with its own weights)."""
+    as a method, so a copy of the layer made inside the block computes with its own weights). Under autocast every
+    operand is cast to autocast's dtype first, as autocast casts PEFT's three linear layers (the casts are autograd's:
+    the float32 adapters get float32 gradients)."""
     names = list(layer.active_adapters)
     name = names[0] if len(names) == 1 else None
-    if (name is None or args or kwargs or layer.merged or layer.disable_adapters or name not in layer.lora_A
-            or torch.is_autocast_enabled(x.device.type)):
+    if name is None or args or kwargs or layer.merged or layer.disable_adapters or name not in layer.lora_A:
         return type(layer).forward(layer, x, *args, **kwargs)
     base, dropout = layer.base_layer, layer.lora_dropout[name]
-    w, a, b = base.weight, layer.lora_A[name].weight, layer.lora_B[name].weight
-    if (x.dtype != w.dtype or a.dtype != b.dtype or w.requires_grad
+    w, bias, a, b = base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if ((x.dtype != w.dtype and not autocast) or a.dtype != b.dtype or w.requires_grad
             or (x.dtype != a.dtype and not getattr(layer, "cast_input_dtype_enabled", True))
-            or (base.bias is not None and base.bias.requires_grad)
+            or (bias is not None and bias.requires_grad) or not x.is_floating_point()
             or not (type(dropout) is torch.nn.Identity
                     or (type(dropout) is torch.nn.Dropout and (dropout.p == 0 or not dropout.training)))):
         return type(layer).forward(layer, x, *args, **kwargs)
-    y = LoRALinear.apply(x.reshape(-1, x.shape[-1]), w, base.bias, a, b, float(layer.scaling[name]))
+    rows, scale = x.reshape(-1, x.shape[-1]), float(layer.scaling[name])
+    if autocast:
+        dtype = torch.get_autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            y = LoRALinear.apply(rows.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype), a.to(dtype),
+                                 b.to(dtype), scale)
+    else:
+        y = LoRALinear.apply(rows, w, bias, a, b, scale)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

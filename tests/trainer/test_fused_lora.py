@@ -43,10 +43,12 @@ class _Counting:
 
     def __init__(self, monkeypatch):
         self.forward = self.backward = 0
+        self.dtypes = set()  # of the rows multiplied
         fwd, bwd = LoRALinear.forward, LoRALinear.backward
 
         def forward(ctx, *args):
             self.forward += 1
+            self.dtypes.add(args[0].dtype)
             return fwd(ctx, *args)
 
         def backward(ctx, *args):
@@ -113,45 +115,45 @@ def _trainer(out, model, tok, **kw):
     return GRPOTrainer(model, varied_reward, args=args, train_dataset=data, processing_class=tok)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_training_step_through_the_trainer(tmp_path, monkeypatch, checkpointing):
+@pytest.mark.parametrize("checkpointing,bf16", [(False, False), (True, False), (False, True)])
+def test_training_step_through_the_trainer(tmp_path, monkeypatch, checkpointing, bf16):
     """A user's LoRA step: the trainer's loss forward and backward run the fused layers (the backward's recomputed
-    forward too, under gradient checkpointing), and the step moves the adapters as PEFT's layers would (plain SGD, so
-    a difference in a gradient shows in the weights as it is)."""
+    forward too, under gradient checkpointing; under the autocast of ``bf16=True``), and the step moves the adapters
+    as PEFT's layers would (plain SGD, so a difference in a gradient shows in the weights as it is)."""
     model, tok = _lora_model()
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     twin = copy.deepcopy(model)
 
     count = _Counting(monkeypatch)
-    _trainer(tmp_path / "fused", model, tok, gradient_checkpointing=checkpointing).train()
+    _trainer(tmp_path / "fused", model, tok, gradient_checkpointing=checkpointing, bf16=bf16).train()
     layers = len(lora_layers(model))
     assert count.backward >= layers  # (the shared prompt's forward and the completions' forward: a node each)
     assert count.forward >= count.backward * (2 if checkpointing else 1)  # under checkpointing: and the recompute
+    assert count.dtypes == {torch.bfloat16 if bf16 else torch.float32}  # bf16=True: autocast's dtype
 
     for module in (grpokit.logprobs, grpokit.trainer):
         monkeypatch.setattr(module, "fused_lora", lambda model: contextlib.nullcontext(0))
-    _trainer(tmp_path / "peft", twin, tok, gradient_checkpointing=checkpointing).train()
+    _trainer(tmp_path / "peft", twin, tok, gradient_checkpointing=checkpointing, bf16=bf16).train()
 
     moved = 0
     for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
         if name in start:
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p, q, **(dict(rtol=1e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)))
             moved += int(not torch.equal(p, start[name]))
     assert moved == len(start)  # every adapter matrix moved
 
 
 def test_calls_left_to_peft(monkeypatch):
-    """Dropout that acts, disabled or merged adapters, autocast, a bf16 input into float32 adapters: PEFT's forward,
-    with PEFT's result."""
+    """Dropout that acts, disabled or merged adapters: PEFT's forward, with PEFT's result to the bit."""
     count = _Counting(monkeypatch)
     x = torch.randn(3, 5, 32)
 
-    def same_as_peft(model, x):
+    def compare(model, x, **tol):
         with torch.no_grad():
             with fused_lora(model):
                 got = model(inputs_embeds=x).logits
             want = model(inputs_embeds=x).logits
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, **(tol or dict(rtol=0, atol=0)))
 
     model, _ = _lora_model(lora_dropout=0.5)
     model.train()
@@ -159,19 +161,41 @@ def test_calls_left_to_peft(monkeypatch):
     with fused_lora(model):
         model(inputs_embeds=x)
     assert count.forward == 0  # dropout acts in training mode
-    model.eval()
-    same_as_peft(model, x)
-    assert count.forward == len(lora_layers(model))  # and not in eval mode: fused
-    count.forward = 0
     with model.disable_adapter():  # the reference model of a LoRA run
-        same_as_peft(model, x)
+        compare(model, x)
     model.merge_adapter()
-    same_as_peft(model, x)
+    compare(model, x)
     model.unmerge_adapter()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        same_as_peft(model, x)
     assert count.forward == 0
+    model.eval()
+    compare(model, x, rtol=1e-5, atol=1e-6)
+    assert count.forward == len(lora_layers(model))  # dropout does not act in eval mode: fused
 
+
+def test_under_autocast(monkeypatch):
+    """Under autocast (the trainer's bf16=True) every operand is cast to bf16, as autocast casts PEFT's three linear
+    layers: the same values and gradients up to bf16 rounding, the float32 adapters' gradients float32."""
+    model, _ = _lora_model()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, 5, 32, requires_grad=True)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        return y.detach(), x.grad.clone(), layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad
+
+    count = _Counting(monkeypatch)
+    with fused_lora(model):
+        fused = run()
+    assert count.forward == 1 and count.backward == 1
+    peft = run()
+    assert fused[0].dtype == peft[0].dtype == torch.bfloat16
+    assert fused[2].dtype == fused[3].dtype == torch.float32
+    for got, want in zip(fused, peft):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_bf16_base_with_float32_adapters(monkeypatch):
