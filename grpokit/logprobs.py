@@ -247,7 +247,7 @@ def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_
         if len(buckets) > 1:
             bucket_cache = copy.copy(cache)  # the layers are copied by the selection below, not shared
             bucket_cache.layers = [copy.copy(layer) for layer in cache.layers]
-        bucket_cache.batch_select_indices(owner[rows])
+        _select_cache_rows(bucket_cache, owner[rows])
         rest = _head_inputs(model, head, completion_ids[rows, :width], mask[rows, :p + width], width,
                             cache=bucket_cache, position_ids=positions[..., rows, p:p + width], aux=aux, dtypes=dtypes)
         if rest is None:
@@ -256,7 +256,19 @@ def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_
     rest = torch.cat(parts) if len(parts) > 1 else parts[0]
     if len(buckets) > 1:
         rest = rest[torch.cat(buckets).argsort()]  # back in row order
-    return torch.cat([last[owner], rest], 1)
+    return torch.cat([_RowsOf.apply(last, owner), rest], 1)
+
+
+def _select_cache_rows(cache, index: torch.Tensor) -> None:
+    """``cache.batch_select_indices(index)``, the rows' keys and values selected by :class:`_RowsOf` where a layer is
+    transformers' dynamic one (so the gradient the rows of a prompt send back is summed in a fixed order)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    for layer in cache.layers:
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) and layer.get_seq_length() > 0:
+            layer.keys, layer.values = _RowsOf.apply(layer.keys, index), _RowsOf.apply(layer.values, index)
+        else:
+            layer.batch_select_indices(index)
 
 
 BUCKET_OVERHEAD = 16
@@ -402,13 +414,33 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
                               compute_entropy, entropy_grad)
     if rows is None:
         return logps, ents
-    return logps[inverse], (ents[inverse] if ents is not None else None)
+    return _RowsOf.apply(logps, inverse), (_RowsOf.apply(ents, inverse) if ents is not None else None)
+
+
+class _RowsOf(torch.autograd.Function):
+    """``x[index]`` along the first dimension, its backward summing the rows an index repeats with ``scatter_add``.
+    Indexing's own backward (``index_put_`` accumulating, for a boolean mask too) gave other bits from run to run on a
+    2-core CPU, and two demo runs of one seed parted by step 20."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (index,) = ctx.saved_tensors
+        g = g.contiguous()
+        where = index.view(-1, *([1] * (g.dim() - 1))).expand_as(g)
+        return g.new_zeros((ctx.rows, *g.shape[1:])).scatter_add_(0, where, g), None
 
 
 def _head_logps(head, hidden, completion_ids, valid, dtypes, temperature: float, compute_entropy: bool,
                 entropy_grad: bool):
     """Log-probs and entropies (B, C) from the head inputs (B, C, D), 0 where ``valid`` is False."""
-    hidden = hidden[valid]
+    hidden = _RowsOf.apply(hidden.reshape(-1, hidden.shape[-1]), valid.reshape(-1).nonzero().squeeze(1))  # hidden[valid]
     # the blocks run in the dtype the forward ran the model in (its autocast: accelerate's for bf16=True), forward and
     # recomputed backward; float32 for a head cast there (cast_lm_head_to_fp32)
     dtype = torch.float32 if getattr(head, "grpokit_fp32", False) else dtypes[-1]
