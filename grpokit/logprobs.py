@@ -419,8 +419,10 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
 
 class _RowsOf(torch.autograd.Function):
     """``x[index]`` along the first dimension, its backward summing the rows an index repeats with ``scatter_add``.
-    Indexing's own backward (``index_put_`` accumulating, for a boolean mask too) gave other bits from run to run on a
-    2-core CPU, and two demo runs of one seed parted by step 20."""
+    Indexing's own backward (an accumulating ``index_put_``, atomic adds from several threads above 32k values) gave
+    other bits from run to run where rows repeat (a prompt's cache rows for each of its completions) on a 2-core CPU,
+    and two demo runs of one seed parted at step 18. The head inputs picked by the mask repeat no row; they take the
+    same path so the backward has one kind of selection."""
 
     @staticmethod
     def forward(ctx, x, index):

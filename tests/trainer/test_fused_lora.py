@@ -172,6 +172,16 @@ def test_calls_left_to_peft(monkeypatch):
     assert count.forward == len(lora_layers(model))  # dropout does not act in eval mode: fused
 
 
+def _layer_step(model, layer, x, autocast=False):
+    """One LoRA layer's output and the gradients of x, A and B for a fixed weighting of its outputs."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x)
+    (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    return y.detach(), x.grad.clone(), layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad
+
+
 def test_under_autocast(monkeypatch):
     """Under autocast (the trainer's bf16=True) every operand is cast to bf16, as autocast casts PEFT's three linear
     layers: the same values and gradients up to bf16 rounding, the float32 adapters' gradients float32."""
@@ -179,19 +189,11 @@ def test_under_autocast(monkeypatch):
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     x = torch.randn(3, 5, 32, requires_grad=True)
 
-    def run():
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = layer(x)
-        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
-        return y.detach(), x.grad.clone(), layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad
-
     count = _Counting(monkeypatch)
     with fused_lora(model):
-        fused = run()
+        fused = _layer_step(model, layer, x, autocast=True)
     assert count.forward == 1 and count.backward == 1
-    peft = run()
+    peft = _layer_step(model, layer, x, autocast=True)
     assert fused[0].dtype == peft[0].dtype == torch.bfloat16
     assert fused[2].dtype == fused[3].dtype == torch.float32
     for got, want in zip(fused, peft):
@@ -204,26 +206,15 @@ def test_bf16_base_with_float32_adapters(monkeypatch):
     model, tok = _lora_model()
     for layer in lora_layers(model):
         layer.base_layer.to(torch.bfloat16)
-    model.base_model.model.model.embed_tokens.to(torch.bfloat16)
-    model.base_model.model.lm_head.to(torch.bfloat16)
-    for norm in [m for m in model.modules() if "RMSNorm" in type(m).__name__]:
-        norm.to(torch.bfloat16)
     layer = model.base_model.model.model.layers[0].mlp.gate_proj
     assert layer.lora_A["default"].weight.dtype == torch.float32
     x = torch.randn(3, 5, 32, dtype=torch.bfloat16, requires_grad=True)
 
-    def run():
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        y = layer(x)
-        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
-        return y.detach(), x.grad.clone(), layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad
-
     count = _Counting(monkeypatch)
     with fused_lora(model):
-        fused = run()
+        fused = _layer_step(model, layer, x)
     assert count.forward == 1 and count.backward == 1 and fused[0].dtype == torch.bfloat16
-    peft = run()
+    peft = _layer_step(model, layer, x)
     torch.testing.assert_close(fused[0], peft[0], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(fused[1], peft[1], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(fused[2], peft[2], rtol=1e-4, atol=1e-5)  # float32 sums of the same bf16 products

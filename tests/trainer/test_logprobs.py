@@ -465,7 +465,8 @@ def test_repeated_completions_train_as_every_row_through_the_trainer(tmp_path, m
 
 def test_shared_prompt_backward_sums_in_a_fixed_order():
     """Rows that share a prompt send their gradients back to its one encoding (the KV cache's rows selected per row,
-    the prompt's last hidden state per row, the head inputs picked by the mask). Indexing's own backward sums them
+    the prompt's last hidden state per row; the head inputs picked by the mask take the same selection). Indexing's
+    own backward sums them
     with an accumulating ``index_put_``, whose CPU kernel adds with atomics from several threads above 32k values, in
     an order that varies: on a 2-core Xeon the gradients of one batch changed in their last bits from call to call,
     and two demo runs of one seed parted at step 18. The backward now runs no accumulating ``index_put_``, and the
