@@ -37,6 +37,8 @@ def evaluate(
     max_new_tokens: int = 48,
     greedy: bool = True,
     temperature: float = 0.7,
+    top_k: int = 0,
+    top_p: float = 1.0,
     batch_size: int = 32,
     max_prompt_length: int | None = None,
     n: int | None = None,
@@ -46,7 +48,7 @@ def evaluate(
     max_completion_length: int | None = None,
     bounds=None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Score ``model`` on ``dataset`` (one completion per prompt, greedy by default).
+    """Score ``model`` on ``dataset`` (one completion per prompt, greedy by default, else sampled as training samples).
 
     Returns ``(summary, samples)``: ``summary`` has ``reward_mean``, ``reward_ci95``, ``accuracy`` (share of rows
     whose ``accuracy_reward`` function gave ≥ 1), ``accuracy_ci95`` (Wilson), ``n``, per-function means under
@@ -70,7 +72,7 @@ def evaluate(
     rows = _eval_rows(dataset, n, model, tokenizer)
     device = next(model.parameters()).device
     rollout = TransformersRollout(tokenizer_of(tokenizer))  # ``tokenizer`` may be a VLM's processor
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
+    params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, do_sample=not greedy)
     names = [reward_func_name(f) for f in reward_funcs]
     limits = TurnLimits(stop_token_ids(model, tokenizer), max_completion_length or max_new_tokens, context_length(model))
     all_rewards, lengths, texts_all, prompts_all, calls, failures = [], [], [], [], 0, 0

@@ -415,6 +415,7 @@ class _JobRun:
         ev, c = self.ev, self.config
         return evaluate(model, tokenizer, self.task.eval_dataset, eval_funcs, accuracy_reward=self.task.accuracy_reward,
                         max_new_tokens=int(ev["max_new_tokens"]), greedy=bool(ev["greedy"]), temperature=c.temperature,
+                        top_k=c.top_k, top_p=c.top_p,
                         n=int(ev["n"]), batch_size=int(ev["batch_size"]), max_prompt_length=c.max_prompt_length,
                         gather=c.ds3_gather_for_generation, multiturn=self.multiturn,
                         max_completion_length=c.max_completion_length, bounds=CallBounds.from_config(c))

@@ -21,7 +21,8 @@ JOB_KEYS = {
                    "picks one per row)",
     "chat_template": "a Jinja chat template file, or chatml-tools (grpokit's ChatML with tools, for SmolLM2)",
     "lora": "LoRA settings: r, alpha, dropout, target_modules (default all-linear)",
-    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true), batch_size "
+    "eval": "held-out evaluation: n (128), before (true), after (true), max_new_tokens, greedy (true; false: sampled "
+            "with the config's temperature, top_k and top_p, as training samples), batch_size "
             "(32 prompts generated together), every_steps "
             "(also every this many steps during training; default none)",
     "time_budget_s": "stop training after this many seconds of training wall time",

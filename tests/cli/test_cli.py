@@ -393,3 +393,22 @@ def test_finish_within_cuts_training_by_what_was_spent_before_it(tmp_path, tiny_
     assert main(["train", write_yaml(tmp_path / "roomy.yaml", roomy), "--quiet"]) == 0
     assert "to end within" not in capsys.readouterr().out
     assert json.loads((tmp_path / "roomy" / "report.json").read_text())["config"]["steps"] == 2
+
+
+def test_a_sampled_held_out_evaluation_samples_with_the_configs_top_k(tmp_path, tiny_dir):
+    """``eval: {greedy: false}`` samples with the config's temperature and top_k, as training samples: with
+    ``top_k: 1`` the evaluation before training is the greedy one, at any temperature."""
+    from grpokit.job import run_job
+
+    reports = {}
+    for name, extra in {"greedy": {}, "top1": {"eval_greedy": False, "top_k": 1},
+                        "all": {"eval_greedy": False}}.items():
+        greedy = extra.pop("eval_greedy", True)
+        spec = base_spec(tiny_dir, tmp_path / name) | {"max_steps": 1, "temperature": 5.0, **extra,
+                                                       "eval": {"n": 8, "max_new_tokens": 8, "after": False,
+                                                                "greedy": greedy}}
+        run_job(spec, quiet=True)
+        _, samples = json.loads((tmp_path / name / "eval_before.json").read_text())  # (summary, samples)
+        reports[name] = [s["completion"] for s in samples]
+    assert reports["greedy"] and reports["top1"] == reports["greedy"]
+    assert reports["all"] != reports["greedy"]  # sampling at 5 without top-k scatters

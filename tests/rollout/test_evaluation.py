@@ -58,3 +58,22 @@ def test_the_format_free_accuracy_is_the_last_number_against_the_answer():
     lo, hi = out["last_number_ci95"]
     assert lo < 0.5 < hi
     assert last_number_accuracy([{"answer": "ten"}], ["10"]) == {}  # answers that are not numbers: none
+
+
+def test_sampled_evaluation_takes_top_k_and_top_p():
+    """``greedy=False`` samples as training does, with its ``top_k`` and ``top_p``: at temperature 5 the tiny model's
+    replies scatter, and among its single likeliest token (``top_k=1``) or the smallest mass (``top_p`` near 0) they
+    are the greedy ones."""
+    model, tok = _lora_model()
+    held_out = get_task("arithmetic").eval_dataset
+
+    def replies(**kw):
+        torch.manual_seed(0)
+        _, samples = evaluate(model, tok, held_out, [correctness], accuracy_reward="correctness", n=8,
+                              max_new_tokens=6, batch_size=8, num_samples=8, **kw)
+        return [s["completion"] for s in samples]
+
+    greedy = replies()
+    assert replies(greedy=False, temperature=5.0) != greedy
+    assert replies(greedy=False, temperature=5.0, top_k=1) == greedy
+    assert replies(greedy=False, temperature=5.0, top_p=1e-6) == greedy
