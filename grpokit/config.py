@@ -270,6 +270,12 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                                     "arXiv 2506.02177); the first group with reward spread resets z. In (0, 1]; 1 "
                                     "generates every prompt.")
     )
+    dynamic_sampling_explore_prob_hard: float | None = field(
+        default=None, metadata=_meta("Dynamic sampling: the probability p for prompts whose last groups all scored "
+                                     "alike below the best reward seen so far (hard: none of their completions "
+                                     "solved them; GRESO keeps separate probabilities for easy and hard prompts). "
+                                     "None: dynamic_sampling_explore_prob; 1: hard prompts are never skipped.")
+    )
     ema_decay: float | None = field(
         default=None, metadata=_meta("Keep an exponential moving average of the trained weights (the adapter's with "
                                      "LoRA) with this decay, in (0, 1), ramped up as min(decay, (1+t)/(10+t)); the "
@@ -408,6 +414,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("dynamic_sampling_max_rounds", 1, integer=True)
         check.number("dynamic_sampling_oversample", 1)
         check.number("dynamic_sampling_explore_prob", 0, 1, lo_open=True)
+        check.number("dynamic_sampling_explore_prob_hard", 0, 1, lo_open=True, optional=True)
         check.number("ema_decay", 0, 1, lo_open=True, hi_open=True, optional=True)
         check.number("loraplus_lr_ratio", 0, lo_open=True, optional=True)
         check.number("max_staleness", 0, integer=True)

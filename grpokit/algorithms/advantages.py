@@ -146,22 +146,30 @@ def compute_advantages(
     ).advantages
 
 
+def total_reward(rewards: torch.Tensor, reward_weights: torch.Tensor | list[float] | None = None) -> torch.Tensor:
+    """Per row (N,), the total reward ``R = Σ_k w_k·r_k`` of (N, K) per-function rewards (NaN entries skipped; NaN
+    where every function skipped the row); a 1-D ``rewards`` is already one."""
+    if rewards.dim() != 2:
+        return rewards
+    w = torch.ones(rewards.shape[1], dtype=rewards.dtype, device=rewards.device) if reward_weights is None else (
+        torch.as_tensor(reward_weights, dtype=rewards.dtype, device=rewards.device))
+    return torch.where(torch.isnan(rewards).all(-1), torch.nan, torch.nansum(rewards * w, -1))
+
+
 def dynamic_sampling_keep(rewards: torch.Tensor, num_generations: int,
                           reward_weights: torch.Tensor | list[float] | None = None) -> torch.Tensor:
     """DAPO dynamic sampling (arXiv 2503.14476 §3.2): per group (n_groups,), True if the group's total reward
-    ``R = Σ_k w_k·r_k`` has spread (keep it), False if every completion scored alike — within the tolerance of
-    :func:`zero_std_groups` — or fewer than two are scorable (no gradient: drop it and sample more)."""
-    if rewards.dim() == 2:
-        w = torch.ones(rewards.shape[1], dtype=rewards.dtype, device=rewards.device) if reward_weights is None else (
-            torch.as_tensor(reward_weights, dtype=rewards.dtype, device=rewards.device))
-        rewards = torch.where(torch.isnan(rewards).all(-1), torch.nan, torch.nansum(rewards * w, -1))
-    return ~zero_std_groups(rewards, num_generations)
+    ``R = Σ_k w_k·r_k`` (:func:`total_reward`) has spread (keep it), False if every completion scored alike — within
+    the tolerance of :func:`zero_std_groups` — or fewer than two are scorable (no gradient: drop it and sample
+    more)."""
+    return ~zero_std_groups(total_reward(rewards, reward_weights), num_generations)
 
 
 def skip_probability(streak: int, explore_prob: float) -> float:
     """GRESO's pre-rollout filter (arXiv 2506.02177): a prompt whose last ``z = streak`` groups all scored alike
     (:func:`dynamic_sampling_keep` False) is skipped before generation with probability ``1 - p^z``
-    (``p = explore_prob``); 0 for a prompt never generated, or whose last group had reward spread."""
+    (``p = explore_prob``: the paper's ``p_easy`` or ``p_hard``, by whether the prompt's last group was solved); 0 for
+    a prompt never generated, or whose last group had reward spread."""
     return 1.0 - explore_prob ** max(0, streak)
 
 

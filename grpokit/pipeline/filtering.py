@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..algorithms.advantages import dynamic_sampling_keep
+from ..algorithms.advantages import dynamic_sampling_keep, total_reward
 from ..rollout.sample import ScoredSamples
 from .prompt_skipping import PromptSkipper
 from .prompts import PROMPT_SKIP_SEED_OFFSET, PromptOrder
@@ -118,8 +118,9 @@ def fill_with_informative_groups(
 
 class GroupFilter:
     """Dynamic sampling for the generation batches of one process, with GRESO's prompt skipping when
-    ``dynamic_sampling_explore_prob`` < 1. Its state — the refill stream's position, the last batch's keep rate (it
-    sizes the next batch's first round), the skipper's streaks and draws — changes only in :meth:`fill`, in the thread
+    ``dynamic_sampling_explore_prob`` or ``dynamic_sampling_explore_prob_hard`` is < 1. Its state — the refill
+    stream's position, the last batch's keep rate (it sizes the next batch's first round), the skipper's streaks, hard
+    prompts and draws — changes only in :meth:`fill`, in the thread
     that samples (the learner's, or the asynchronous producer's), and is checkpointed through :meth:`state_dict`.
 
     Refill prompts come from :meth:`grpokit.pipeline.prompts.PromptOrder.refill`, this process taking every
@@ -129,8 +130,9 @@ class GroupFilter:
                  world_size: int = 1):
         self.dataset, self.order, self.args = dataset, order, args
         self.reward_weights, self.pad_id, self.rank, self.world_size = reward_weights, pad_id, rank, world_size
-        self.skipper = (PromptSkipper(args.dynamic_sampling_explore_prob, args.seed + PROMPT_SKIP_SEED_OFFSET)
-                        if args.dynamic_sampling_explore_prob < 1.0 else None)
+        hard = args.dynamic_sampling_explore_prob_hard
+        self.skipper = (PromptSkipper(args.dynamic_sampling_explore_prob, args.seed + PROMPT_SKIP_SEED_OFFSET, hard)
+                        if min(args.dynamic_sampling_explore_prob, 1.0 if hard is None else hard) < 1.0 else None)
         self.refill_position = 0
         self.last_keep_rate: float | None = None
 
@@ -149,7 +151,9 @@ class GroupFilter:
         filled, fill = fill_with_informative_groups(
             first, lambda n: score(self.refill_rows(n)), g, self.reward_weights, a.dynamic_sampling_max_rounds,
             self.pad_id, any_rank_short, max_round_factor=a.dynamic_sampling_oversample, need=need,
-            on_round=None if skipper is None else lambda batch, keep: skipper.observe(batch.prompts, g, keep, batch.images))
+            on_round=None if skipper is None else lambda batch, keep: skipper.observe(
+                batch.prompts, g, keep, batch.images,
+                total_reward(batch.rewards, self.reward_weights.to(batch.rewards.device)).tolist()))
         self.last_keep_rate = fill.keep_rate
         stats.add("dynamic_sampling/filtered_frac", fill.dropped_groups / fill.generated_groups)
         stats.add("dynamic_sampling/rounds", float(fill.rounds))

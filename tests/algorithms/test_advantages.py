@@ -224,6 +224,16 @@ def test_dynamic_sampling_keep_uses_the_reward_weights():
     assert dynamic_sampling_keep(two, 2, reward_weights=[1.0, 1.0]).tolist() == [False, True]
 
 
+def test_total_reward_weights_the_functions_and_skips_what_they_skipped():
+    from grpokit.algorithms.advantages import total_reward
+
+    r = torch.tensor([[1.0, 0.5], [NAN, 0.5], [NAN, NAN]], dtype=F64)
+    assert total_reward(r, [2.0, 1.0]).tolist()[:2] == [2.5, 0.5] and torch.isnan(total_reward(r)[2])
+    assert total_reward(r).tolist()[:2] == [1.5, 0.5]
+    flat = torch.tensor([0.3, NAN], dtype=F64)
+    assert total_reward(flat) is flat  # already one total per row
+
+
 def test_estimators_come_from_a_registry_and_one_registered_later_is_a_choice():
     from grpokit.algorithms import (
         ADVANTAGE_ESTIMATORS,

@@ -124,3 +124,92 @@ def test_explore_prob_is_checked():
         GRPOConfig(output_dir="/tmp/ds", dynamic_sampling=True, dynamic_sampling_explore_prob=0)
     with pytest.raises(ValueError, match=r"dynamic_sampling_explore_prob=1.5 is not allowed"):
         GRPOConfig(output_dir="/tmp/ds", dynamic_sampling=True, dynamic_sampling_explore_prob=1.5)
+
+
+def test_hard_groups_are_those_below_the_best_reward_seen():
+    """A group that scored alike is hard when its reward is below the best any completion has had so far (none of
+    its completions solved it), easy at it; a group nobody could score is hard; spread clears both."""
+    s = PromptSkipper(0.5, seed=0, explore_prob_hard=1.0)
+    rows = [row("solved")] * 2 + [row("failed")] * 2 + [row("mixed")] * 2 + [row("unscored")] * 2
+    nan = float("nan")
+    s.observe(prompts(rows), 2, [False, False, True, False], rewards=[1.2, 1.2, 0.2, 0.2, 0.2, 1.2, nan, nan])
+    key = {name: prompt_key(row(name)["prompt"]) for name in ("solved", "failed", "mixed", "unscored")}
+    assert s.best == 1.2 and s.hard == {key["failed"], key["unscored"]}
+    assert s.streaks[key["solved"]] == s.streaks[key["failed"]] == 1 and s.streaks[key["mixed"]] == 0
+    s.observe(prompts(rows[2:4]), 2, [True], rewards=[0.2, 1.2])
+    assert key["failed"] not in s.hard
+    # without rewards (a caller that does not say) every group counts as easy, as before
+    s.observe(prompts(rows[:2]), 2, [False])
+    assert key["solved"] not in s.hard and s.streaks[key["solved"]] == 2
+
+
+def test_hard_prompts_take_their_own_explore_prob():
+    s = PromptSkipper(0.01, seed=0, explore_prob_hard=1.0)
+    s.observe(prompts([row("easy"), row("hard")] * 1), 1, [False, False], rewards=[1.0, 0.0])
+    s.observe(prompts([row("easy"), row("hard")] * 1), 1, [False, False], rewards=[1.0, 0.0])
+    assert all(s.keep(row("hard")) for _ in range(200)) and s.draws == 0  # p_hard = 1: never a draw
+    assert sum(s.keep(row("easy")) for _ in range(200)) < 5  # 1 - 0.01**2 of them skipped
+    t = PromptSkipper(0.9, seed=0, explore_prob_hard=0.01)  # and the other way round
+    t.observe(prompts([row("easy"), row("hard")]), 1, [False, False], rewards=[1.0, 0.0])
+    assert sum(t.keep(row("hard")) for _ in range(200)) < 10 < sum(t.keep(row("easy")) for _ in range(200))
+
+
+def test_which_prompts_are_hard_is_checkpointed():
+    a = PromptSkipper(0.5, seed=1, explore_prob_hard=1.0)
+    a.observe(prompts([row("x"), row("y")]), 1, [False, False], rewards=[1.0, 0.0])
+    b = PromptSkipper(0.5, seed=1, explore_prob_hard=1.0)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert (b.hard, b.best, b.streaks) == (a.hard, a.best, a.streaks) and b.hard
+    c = PromptSkipper(0.5, seed=1)
+    c.load_state_dict({"streaks": a.state_dict()["streaks"], "draws": 3})  # a checkpoint from before: all easy
+    assert c.hard == set() and c.best is None and c.draws == 3
+
+
+def solved_failed_or_spread(completions, hard, **kw):
+    """'Hard' prompts (two in three) score 0 for every completion when their number is odd (failed) and 1 when even
+    (solved: the best reward); the others score their distinct characters (spread, below 1)."""
+    out = []
+    for c, h, p in zip(completions, hard, kw["prompts"]):
+        number = int(p[0]["content"][1:])
+        out.append((1.0 if number % 2 == 0 else 0.0) if h else min(0.9, len(set(c[0]["content"])) / 16))
+    return out
+
+
+def _skip_decisions(trainer) -> dict[str, list[bool]]:
+    """Per prompt, every keep/skip decision the trainer's GRESO filter makes."""
+    decisions: dict[str, list[bool]] = {}
+    skipper = trainer.pipeline.filter.skipper
+    keep = skipper.keep
+
+    def recorded(row):
+        kept = keep(row)
+        decisions.setdefault(row["prompt"][0]["content"], []).append(kept)
+        return kept
+
+    skipper.keep = recorded
+    return decisions
+
+
+def test_trainer_skips_solved_prompts_but_keeps_asking_failed_ones(tmp_path):
+    """``dynamic_sampling_explore_prob_hard: 1``: prompts every completion failed are never skipped, while prompts
+    every completion solved are skipped with ``dynamic_sampling_explore_prob``; without it both are skipped alike."""
+    tok = tiny_tokenizer()
+    counts, skipped = {}, {}
+    for hard_p in (None, 1.0):
+        args = make_args(tmp_path / str(hard_p), max_steps=10, dynamic_sampling_explore_prob=0.05,
+                         dynamic_sampling_explore_prob_hard=hard_p)
+        trainer = GRPOTrainer(tiny_model(tok), solved_failed_or_spread, args=args, train_dataset=_dataset(),
+                              processing_class=tok)
+        seen, decisions = _generated_prompts(trainer), _skip_decisions(trainer)
+        trainer.train()
+        tied = [name for name in seen if int(name[1:]) % 3 != 0]
+        failed = [name for name in tied if int(name[1:]) % 2 == 1]
+        solved = [name for name in tied if int(name[1:]) % 2 == 0]
+        counts[hard_p] = sum(seen[n] for n in failed), sum(seen[n] for n in solved)
+        skipped[hard_p] = (sum(not k for n in failed for k in decisions.get(n, [])),
+                           sum(not k for n in solved for k in decisions.get(n, [])))
+    assert skipped[None][0] > 0 and skipped[None][1] > 0  # one probability: failed and solved prompts both skipped
+    assert skipped[1.0][0] == 0 and skipped[1.0][1] > 0  # p_hard = 1: failed ones never, solved ones still
+    (failed_alike, solved_alike), (failed_hard, solved_hard) = counts[None], counts[1.0]
+    assert failed_hard >= failed_alike + 8  # so the 8 failed prompts are generated again and again (22 against 9)
+    assert solved_hard <= 12 and solved_alike <= 12  # the 8 solved ones about once each either way
