@@ -105,6 +105,38 @@ def trl_loss_fn(loss_type: str, level: str, T: int, epsilon=0.2, epsilon_high=No
     return call
 
 
+def decode_step_ms(model, rows: int, sides: dict, repeats: int = 15) -> dict[str, float]:
+    """Median milliseconds of one decode step of ``model`` (one new token per row after a 52-token prompt; the
+    prefill is not timed) under each side's context (``sides``: name -> a function of nothing returning a context
+    manager, entered around each step), the sides alternated and their order flipped every round, after a warm-up
+    round."""
+    from transformers import DynamicCache
+
+    prompt = torch.randint(100, 40000, (rows, 52), generator=torch.Generator().manual_seed(0))
+    step = torch.randint(100, 40000, (rows, 1), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(rows, 53, dtype=torch.long)
+    positions = torch.full((rows, 1), 52)
+
+    @torch.no_grad()
+    def one_step():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        t0 = time.perf_counter()
+        model(input_ids=step, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+              logits_to_keep=1)
+        return time.perf_counter() - t0
+
+    names = list(sides)
+    samples = {name: [] for name in names}
+    for r in range(repeats + 1):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            with sides[name]():
+                t = one_step()
+            if r:  # the first round warms up
+                samples[name].append(t)
+    return {name: 1000 * statistics.median(ts) for name, ts in samples.items()}
+
+
 def write_section(name: str, command: str, body: str) -> None:
     """Replace (or append) the section ``## name`` of RESULTS.md."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmarks: grpokit side by side with TRL 1.16\n\n" \

@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
-import time
 
 import torch
-from _common import write_section
+from _common import decode_step_ms, write_section
 
 
 @contextlib.contextmanager
@@ -50,8 +48,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--no-write", action="store_true", help="print only; RESULTS.md unchanged")
     args = ap.parse_args()
-    from transformers import DynamicCache
-
     from grpokit.models import load_model
     from grpokit.rollout.packed import packable_dtypes, packed_linears
 
@@ -60,28 +56,9 @@ def main() -> None:
     model = load_model("smollm2-135m-instruct", dtype="float32").eval()
     table = ["| rows | float32 packed ms (median) | bf16 copy ms (median) | float32 / bf16 copy |", "|---|---|---|---|"]
     for rows in args.rows:
-        prompt = torch.randint(100, 40000, (rows, 52), generator=torch.Generator().manual_seed(0))
-        step = torch.randint(100, 40000, (rows, 1), generator=torch.Generator().manual_seed(1))
-        mask = torch.ones(rows, 53, dtype=torch.long)
-        positions = torch.full((rows, 1), 52)
-
-        @torch.no_grad()
-        def one_step(prompt=prompt, step=step, mask=mask, positions=positions):
-            cache = DynamicCache(config=model.config)
-            model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-            t0 = time.perf_counter()
-            model(input_ids=step, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                  logits_to_keep=1)
-            return time.perf_counter() - t0
-
-        samples = {"float32": [], "bf16": []}
-        for r in range(args.repeats + 1):
-            for side in (("float32", "bf16") if r % 2 == 0 else ("bf16", "float32")):
-                with (packed_linears(model, rows) if side == "float32" else bf16_copy(model, rows)):
-                    t = one_step()
-                if r:  # the first round warms up
-                    samples[side].append(t)
-        f32, b16 = (1000 * statistics.median(samples[k]) for k in ("float32", "bf16"))
+        ms = decode_step_ms(model, rows, {"float32": lambda rows=rows: packed_linears(model, rows),
+                                          "bf16": lambda rows=rows: bf16_copy(model, rows)}, args.repeats)
+        f32, b16 = ms["float32"], ms["bf16"]
         table.append(f"| {rows} | {f32:.1f} | {b16:.1f} | {f32 / b16:.2f}× |")
         print(table[-1], flush=True)
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")

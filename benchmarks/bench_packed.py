@@ -9,11 +9,10 @@ without, alternating, for a few batch sizes.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import contextlib
 
 import torch
-from _common import write_section
+from _common import decode_step_ms, write_section
 
 
 def main() -> None:
@@ -23,8 +22,6 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     ap.add_argument("--no-write", action="store_true", help="print only; RESULTS.md unchanged")
     args = ap.parse_args()
-    from transformers import DynamicCache
-
     from grpokit.models import load_model
     from grpokit.rollout.packed import packable_dtypes, packed_linears
 
@@ -33,31 +30,9 @@ def main() -> None:
     model = load_model("smollm2-135m-instruct", dtype=args.dtype).eval()
     table = ["| rows | plain ms (median) | packed ms (median) | plain / packed |", "|---|---|---|---|"]
     for rows in args.rows:
-        prompt = torch.randint(100, 40000, (rows, 52), generator=torch.Generator().manual_seed(0))
-        step = torch.randint(100, 40000, (rows, 1), generator=torch.Generator().manual_seed(1))
-        mask = torch.ones(rows, 53, dtype=torch.long)
-        positions = torch.full((rows, 1), 52)
-
-        @torch.no_grad()
-        def one_step(prompt=prompt, step=step, mask=mask, positions=positions):
-            cache = DynamicCache(config=model.config)
-            model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-            t0 = time.perf_counter()
-            model(input_ids=step, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                  logits_to_keep=1)
-            return time.perf_counter() - t0
-
-        samples = {"plain": [], "packed": []}
-        for r in range(args.repeats + 1):
-            for side in (("plain", "packed") if r % 2 == 0 else ("packed", "plain")):
-                if side == "packed":
-                    with packed_linears(model, rows):
-                        t = one_step()
-                else:
-                    t = one_step()
-                if r:  # the first round warms up
-                    samples[side].append(t)
-        plain, packed = (1000 * statistics.median(samples[k]) for k in ("plain", "packed"))
+        ms = decode_step_ms(model, rows, {"plain": contextlib.nullcontext,
+                                          "packed": lambda rows=rows: packed_linears(model, rows)}, args.repeats)
+        plain, packed = ms["plain"], ms["packed"]
         table.append(f"| {rows} | {plain:.1f} | {packed:.1f} | {plain / packed:.2f}× |")
         print(table[-1], flush=True)
     body = "\n".join(table) + (
