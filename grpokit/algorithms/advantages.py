@@ -7,6 +7,7 @@ Rows are ordered by group: the ``G = num_generations`` completions of one prompt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,20 @@ def dynamic_sampling_keep(rewards: torch.Tensor, num_generations: int,
     the tolerance of :func:`zero_std_groups` — or fewer than two are scorable (no gradient: drop it and sample
     more)."""
     return ~zero_std_groups(total_reward(rewards, reward_weights), num_generations)
+
+
+BEST_TOLERANCE = 1e-6
+"""A group below the best reward by less than this (relative to it, at least absolute) is at the best: solved."""
+
+
+def below_best(group_rewards: list[float], best: float | None) -> bool:
+    """GRESO's hard prompts (arXiv 2506.02177): whether a group's best scored total reward is below ``best``, the best
+    any completion has had so far — with a 0/1 correctness reward, none of the group's completions was right. A group
+    with nothing scored (NaN) counts as below, as does every group before anything was scored (``best`` None)."""
+    scored = [r for r in group_rewards if not math.isnan(r)]
+    if not scored or best is None:
+        return True
+    return max(scored) < best - BEST_TOLERANCE * max(1.0, abs(best))
 
 
 def skip_probability(streak: int, explore_prob: float) -> float:

@@ -21,10 +21,7 @@ import math
 import random
 from typing import Any
 
-from ..algorithms.advantages import skip_probability
-
-BEST_TOLERANCE = 1e-6
-"""A group below the best reward by less than this (relative to it, at least absolute) is at the best: easy."""
+from ..algorithms.advantages import below_best, skip_probability
 
 DRAW_STREAM_STRIDE = 1_000_003
 """Draw ``d`` of a run seeded ``s`` is ``random.Random(s · DRAW_STREAM_STRIDE + d)``: a prime stride, so that two seeds'
@@ -103,14 +100,8 @@ class PromptSkipper:
             key = prompt_key(prompts[j * group], images[j * group] if images is not None else None)
             self.streaks[key] = 0 if has_spread else self.streaks.get(key, 0) + 1
             self.hard.discard(key)
-            if not has_spread and rewards is not None and self._below_best(rewards[j * group:(j + 1) * group]):
+            if not has_spread and rewards is not None and below_best(rewards[j * group:(j + 1) * group], self.best):
                 self.hard.add(key)
-
-    def _below_best(self, rewards: list[float]) -> bool:
-        scored = [r for r in rewards if not math.isnan(r)]
-        if not scored or self.best is None:
-            return True  # nothing scorable: no completion solved it
-        return max(scored) < self.best - BEST_TOLERANCE * max(1.0, abs(self.best))
 
     def take_skipped_frac(self) -> float | None:
         """The share of prompts skipped since the last call (None when none was considered); resets the counts."""

@@ -234,6 +234,15 @@ def test_total_reward_weights_the_functions_and_skips_what_they_skipped():
     assert total_reward(flat) is flat  # already one total per row
 
 
+def test_below_best_marks_groups_none_of_whose_completions_reached_the_best_reward():
+    from grpokit.algorithms.advantages import below_best
+
+    assert below_best([0.2, 0.2], 1.2) and not below_best([1.2, 1.2], 1.2)
+    assert not below_best([1.2 - 1e-9, 0.2], 1.2)  # within the tolerance: at the best
+    assert below_best([NAN, NAN], 1.2) and below_best([0.0], None)  # nothing scored, or nothing scored yet
+    assert not below_best([NAN, 1.0], 1.0)  # NaN rows skipped
+
+
 def test_estimators_come_from_a_registry_and_one_registered_later_is_a_choice():
     from grpokit.algorithms import (
         ADVANTAGE_ESTIMATORS,
