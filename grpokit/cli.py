@@ -60,7 +60,8 @@ seeds collapse onto one answer in the first steps), held for 40 steps, then fall
 constant rate the held-out accuracy wandered by ±5 points from step 50 on: a run's end landed anywhere in it),
 sampling at temperature 0.9 among the 50 likeliest tokens, the
 trained weights averaged (``ema_decay`` 0.9: what is evaluated and saved), held-out accuracy every 10 steps (the 128
-questions generated together); 5-20 s a step on a 2-core CPU with bf16 units (5-9 s with AMX). docs/demo.md has the
+questions generated together); 2.4-9 s a step on the 2-core CPUs measured (an AMD EPYC with AVX512-BF16: 2.4-4.5 s once
+the reply style has settled). docs/demo.md has the
 recipe search behind it and the measured runs."""
 
 
