@@ -43,7 +43,7 @@ DEMO_SPEC: dict[str, Any] = {
     "ema_decay": 0.9,
     "beta": 0.0,
     "gradient_checkpointing": False,
-    "max_steps": 200,
+    "max_steps": 130,  # where the learning rate reaches 0 (10 + 40 + 80 steps): later steps would not move the weights
     "logging_steps": 1,
     "save_strategy": "no",
     "report_to": "none",
@@ -57,7 +57,8 @@ alike is asked again with probability 0.5**z, skipped otherwise: GRESO's pre-rol
 batch's reward spread (``scale_rewards`` "batch": a group that differs only in the 0.2 format reward gets a fifth of a
 correctness group's advantage, not the same), learning rate 5e-4 after a linear warmup over 10 steps (without it some
 seeds collapse onto one answer in the first steps), held for 40 steps, then falling linearly to 0 at step 130 (at a
-constant rate the held-out accuracy wandered by ±5 points from step 50 on: a run's end landed anywhere in it),
+constant rate the held-out accuracy wandered by ±5 points from step 50 on: a run's end landed anywhere in it), and
+training stops there (``max_steps`` 130) if the time budget has not ended it first,
 sampling at temperature 0.9 among the 50 likeliest tokens, the
 trained weights averaged (``ema_decay`` 0.9: what is evaluated and saved), held-out accuracy every 10 steps (the 128
 questions generated together); 2.4-9 s a step on the 2-core CPUs measured (an AMD EPYC with AVX512-BF16: 2.4-4.5 s once

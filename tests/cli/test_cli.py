@@ -202,7 +202,7 @@ def test_demo_trains_with_dapos_loss_unless_algo_says_otherwise(demo_specs):
 def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs, tmp_path):
     """The demo's schedule as its GRPOTrainer builds it (transformers' create_optimizer_and_scheduler, what train()
     calls) from the prepared config: 0 -> 5e-4 over 10 steps, held to step 50, then linearly to 0 at step 130 (a run
-    stopped by time earlier ends part way down)."""
+    stopped by time earlier ends part way down), where ``max_steps`` stops the demo: no step runs at a rate of 0."""
     from tiny import tiny_model, tiny_tokenizer
 
     from grpokit.job import prepare
@@ -215,12 +215,13 @@ def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs, tmp_path):
     trainer.create_optimizer_and_scheduler(num_training_steps=config.max_steps)
     optimizer, schedule = trainer.optimizer, trainer.lr_scheduler
     lrs = []
-    for _ in range(config.max_steps):
+    for _ in range(config.max_steps + 20):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
     assert lrs[0] == 0 and lrs[5] == pytest.approx(2.5e-4) and lrs[10] == lrs[49] == 5e-4
     assert lrs[90] == pytest.approx(2.5e-4) and lrs[129] == pytest.approx(5e-4 / 80) and lrs[130] == lrs[-1] == 0
+    assert config.max_steps == lrs.index(0, 1) == 130  # steps 0..129 run, each at a rate above 0
 
 
 def test_native_bf16_reads_torch_cpu_probes(monkeypatch, tmp_path):
