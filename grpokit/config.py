@@ -61,6 +61,13 @@ def _loss_param_fields() -> type:
     return make_dataclass("LossParameterFields", fields)
 
 
+
+DYNAMIC_SAMPLING_OPTIONS = ("dynamic_sampling_max_rounds", "dynamic_sampling_oversample",
+                            "dynamic_sampling_explore_prob", "dynamic_sampling_explore_prob_hard")
+"""Fields that shape DAPO's dynamic sampling and do nothing without ``dynamic_sampling``: one set differently from its
+default while it is off gets a warning."""
+
+
 @dataclass
 class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     r"""Configuration of :class:`grpokit.GRPOTrainer`; a drop-in for ``trl.GRPOConfig`` (TRL 1.16).
@@ -573,6 +580,12 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
             )
 
     def _warn_combinations(self) -> None:
+        if not self.dynamic_sampling:
+            for name in DYNAMIC_SAMPLING_OPTIONS:
+                value, default = getattr(self, name), self.__dataclass_fields__[name].default
+                if value != default:
+                    logger.warning(f"{name}={value!r} has no effect without dynamic_sampling=True (it shapes DAPO's "
+                                   "dynamic sampling, which is off)")
         spec = loss_spec(self.loss_type)
         level = self.importance_sampling_level
         if level == "sequence" and spec.aggregation in TOKEN_SUMMED and "sequence" in spec.levels:

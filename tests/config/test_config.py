@@ -117,3 +117,22 @@ def test_liger_kernel_without_the_package_is_one_clear_error(tmp_path):
 def test_unsupported_fields_listed_are_real_trl_fields():
     names = {f.name for f in dataclasses.fields(GRPOConfig)}
     assert set(UNSUPPORTED_FIELDS) <= names
+
+
+@pytest.mark.parametrize("name,value", [("dynamic_sampling_explore_prob", 0.5), ("dynamic_sampling_explore_prob_hard", 1.0),
+                                        ("dynamic_sampling_oversample", 4.0), ("dynamic_sampling_max_rounds", 2)])
+def test_a_dynamic_sampling_option_without_dynamic_sampling_is_named_in_a_warning(tmp_path, caplog, name, value):
+    """These options shape DAPO's dynamic sampling only; set while it is off, one warning names the field and value.
+    With dynamic sampling on, or left at their defaults, nothing is said."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        cfg(tmp_path, **{name: value})
+    said = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert said == [f"{name}={value!r} has no effect without dynamic_sampling=True (it shapes DAPO's dynamic sampling, "
+                    "which is off)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        cfg(tmp_path, dynamic_sampling=True, **{name: value})
+        cfg(tmp_path)
+    assert not [r for r in caplog.records if "dynamic_sampling" in r.getMessage()]
