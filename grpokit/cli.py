@@ -209,7 +209,13 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         spec["eval"] = {**spec["eval"], "n": ns.eval_n}
     if ns.seed is not None:
         spec["seed"] = ns.seed
-    spec.update(_parse_set(ns.set or []))
+    overrides = _parse_set(ns.set or [])
+    spec.update(overrides)
+    if spec.get("dynamic_sampling") is False:  # the recipe's own dynamic-sampling settings go with it, unwarned
+        from .config import DYNAMIC_SAMPLING_OPTIONS
+
+        for name in set(DYNAMIC_SAMPLING_OPTIONS) - set(overrides):
+            spec.pop(name, None)
     dtype = (spec.get("model_init_kwargs") or {}).get("dtype", "float32")
     budget = spec.get("time_budget_s")
     shown = f"{budget:g}" if isinstance(budget, (int, float)) else budget

@@ -224,6 +224,28 @@ def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs, tmp_path):
     assert config.max_steps == lrs.index(0, 1) == 130  # steps 0..129 run, each at a rate above 0
 
 
+
+def test_demo_without_dynamic_sampling_drops_its_own_dynamic_sampling_settings(demo_specs, caplog):
+    """`--set dynamic_sampling=false` on the demo: the recipe's oversample and explore probability go with it (no
+    warning about settings the user did not write); one the user sets too is kept, and the config warns about it."""
+    import logging
+
+    from grpokit.job import prepare
+
+    assert main(["demo", "--quiet", "--set", "dynamic_sampling=false"]) == 0
+    assert main(["demo", "--quiet", "--set", "dynamic_sampling=false", "--set", "dynamic_sampling_explore_prob=0.3"]) == 0
+    assert main(["demo", "--quiet"]) == 0
+    off, off_but_set, on = demo_specs
+    assert not [k for k in off if k.startswith("dynamic_sampling_")]
+    assert [k for k in off_but_set if k.startswith("dynamic_sampling_")] == ["dynamic_sampling_explore_prob"]
+    assert (on["dynamic_sampling_oversample"], on["dynamic_sampling_explore_prob"]) == (4, 0.5)
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        prepare(dict(off))
+        assert not [r for r in caplog.records if "no effect without dynamic_sampling" in r.getMessage()]
+        prepare(dict(off_but_set))
+    assert [r.getMessage().split(" has")[0] for r in caplog.records
+            if "no effect without dynamic_sampling" in r.getMessage()] == ["dynamic_sampling_explore_prob=0.3"]
+
 def test_native_bf16_reads_torch_cpu_probes(monkeypatch, tmp_path):
     import torch
 
