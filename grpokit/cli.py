@@ -39,6 +39,7 @@ DEMO_SPEC: dict[str, Any] = {
     "dynamic_sampling": True,
     "dynamic_sampling_oversample": 4,
     "dynamic_sampling_explore_prob": 0.5,
+    "dynamic_sampling_explore_prob_hard": 1.0,
     "scale_rewards": "batch",
     "ema_decay": 0.9,
     "beta": 0.0,
@@ -53,7 +54,8 @@ DEMO_SPEC: dict[str, Any] = {
 """The demo: LoRA on the embedded SmolLM2-135M, the arithmetic task, 8 questions × 4 completions a step with DAPO's
 dynamic sampling (an extra round asks for up to 4× the batch's questions, as many as the share of groups kept so far
 says are needed; the first round is sized by the last batch's keep rate; a question whose last ``z`` groups all scored
-alike is asked again with probability 0.5**z, skipped otherwise: GRESO's pre-rollout filter), advantages scaled by the
+alike is asked again with probability 0.5**z, skipped otherwise: GRESO's pre-rollout filter; one whose groups all
+failed is always asked again, ``dynamic_sampling_explore_prob_hard`` 1.0), advantages scaled by the
 batch's reward spread (``scale_rewards`` "batch": a group that differs only in the 0.2 format reward gets a fifth of a
 correctness group's advantage, not the same), learning rate 5e-4 after a linear warmup over 10 steps (without it some
 seeds collapse onto one answer in the first steps), held for 40 steps, then falling linearly to 0 at step 130 (at a

@@ -239,6 +239,7 @@ def test_demo_without_dynamic_sampling_drops_its_own_dynamic_sampling_settings(d
     assert not [k for k in off if k.startswith("dynamic_sampling_")]
     assert [k for k in off_but_set if k.startswith("dynamic_sampling_")] == ["dynamic_sampling_explore_prob"]
     assert (on["dynamic_sampling_oversample"], on["dynamic_sampling_explore_prob"]) == (4, 0.5)
+    assert on["dynamic_sampling_explore_prob_hard"] == 1.0  # a question every answer failed is always asked again
     with caplog.at_level(logging.WARNING, logger="grpokit"):
         prepare(dict(off))
         assert not [r for r in caplog.records if "no effect without dynamic_sampling" in r.getMessage()]
