@@ -61,7 +61,6 @@ def _loss_param_fields() -> type:
     return make_dataclass("LossParameterFields", fields)
 
 
-
 DYNAMIC_SAMPLING_OPTIONS = ("dynamic_sampling_max_rounds", "dynamic_sampling_oversample",
                             "dynamic_sampling_explore_prob", "dynamic_sampling_explore_prob_hard")
 """Fields that shape DAPO's dynamic sampling and do nothing without ``dynamic_sampling``: one set differently from its

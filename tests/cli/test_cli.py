@@ -224,7 +224,6 @@ def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs, tmp_path):
     assert config.max_steps == lrs.index(0, 1) == 130  # steps 0..129 run, each at a rate above 0
 
 
-
 def test_demo_without_dynamic_sampling_drops_its_own_dynamic_sampling_settings(demo_specs, caplog):
     """`--set dynamic_sampling=false` on the demo: the recipe's oversample and explore probability go with it (no
     warning about settings the user did not write); one the user sets too is kept, and the config warns about it."""
@@ -246,6 +245,7 @@ def test_demo_without_dynamic_sampling_drops_its_own_dynamic_sampling_settings(d
         prepare(dict(off_but_set))
     assert [r.getMessage().split(" has")[0] for r in caplog.records
             if "no effect without dynamic_sampling" in r.getMessage()] == ["dynamic_sampling_explore_prob=0.3"]
+
 
 def test_native_bf16_reads_torch_cpu_probes(monkeypatch, tmp_path):
     import torch
