@@ -357,9 +357,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         if self.use_transformers_continuous_batching and self.use_vllm:
             raise ValueError("use_transformers_continuous_batching=True and use_vllm=True are both set; choose one "
                              "generation engine")
-        if isinstance(self.pad_to_multiple_of, str):
-            v = self.pad_to_multiple_of.lower()
-            self.pad_to_multiple_of = None if v in ("auto", "none", "null") else int(v)
+        self.pad_to_multiple_of = None  # "auto" (TRL: 128 on AWS Neuron, else None), "none", "null": checked above
         super().__post_init__()
         self._derive_batches()
         self._warn_combinations()
@@ -502,10 +500,25 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                 "use_liger_kernel=True is not allowed here: liger-kernel is not installed (pip install liger-kernel, "
                 "CUDA only); grpokit does not need it to save memory: its log-prob head never builds the (B, T, V) logits"
             )
+        if not (self.pad_to_multiple_of is None or str(self.pad_to_multiple_of).lower() in ("auto", "none", "null")):
+            raise check.bad("pad_to_multiple_of", "grpokit never pads a batch to a multiple of a length (TRL does so only "
+                                                  "on AWS Neuron, which compiles once per shape); use 'auto' or None")
+        self._validate_parallelism()
         if getattr(self, "auto_find_batch_size", False):
             raise ValueError(
                 "auto_find_batch_size=True is not allowed: shrinking the batch breaks the groups of num_generations "
                 "completions; lower per_device_train_batch_size instead"
+            )
+
+    def _validate_parallelism(self) -> None:
+        """TRL 1.16's refusal: context and sequence parallelism shard the model's inputs, which GRPO builds after
+        generation, inside the trainer (accelerate would otherwise take them and the run would ignore them)."""
+        pc = self.parallelism_config
+        if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
+            raise ValueError(
+                f"parallelism_config with cp_size={getattr(pc, 'cp_size', None)!r} and sp_size="
+                f"{getattr(pc, 'sp_size', None)!r} is not allowed: GRPO builds the model's inputs after generation, "
+                "so context or sequence parallelism cannot shard them (as in TRL 1.16); use cp_size=1 and sp_size=1"
             )
 
     def _validate_vllm(self, check: Checker) -> None:

@@ -97,6 +97,8 @@ BAD = [
     (dict(top_k=-1), "top_k=-1", "[0, inf)"),
     (dict(epsilon=1.5), "epsilon=1.5", "(0, 1)"),
     (dict(generation_kwargs="{bad json"), "generation_kwargs=", "not valid JSON"),
+    (dict(pad_to_multiple_of=64), "pad_to_multiple_of=64", "use 'auto' or None"),
+    (dict(pad_to_multiple_of="128"), "pad_to_multiple_of='128'", "use 'auto' or None"),
 ]
 
 
@@ -112,6 +114,22 @@ def test_liger_kernel_without_the_package_is_one_clear_error(tmp_path):
     # TRL fails at construction too; transformers alone would fail only once training starts
     with pytest.raises(ValueError, match=r"use_liger_kernel=True is not allowed here: liger-kernel is not installed"):
         cfg(tmp_path, use_liger_kernel=True)
+
+
+@pytest.mark.parametrize("sizes", [dict(cp_size=2), dict(sp_size=2)])
+def test_context_or_sequence_parallelism_is_refused_as_trl_refuses_it(tmp_path, sizes):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ValueError) as e:
+        cfg(tmp_path, parallelism_config=ParallelismConfig(**sizes))
+    assert str(e.value).startswith("parallelism_config with cp_size=") and "use cp_size=1 and sp_size=1" in str(e.value)
+    assert "\n" not in str(e.value)
+    cfg(tmp_path, parallelism_config=ParallelismConfig(cp_size=1, sp_size=1))  # nothing sharded: accepted
+
+
+@pytest.mark.parametrize("value", ["auto", None, "none", "null"])
+def test_pad_to_multiple_of_that_pads_nothing_is_accepted(tmp_path, value):
+    assert cfg(tmp_path, pad_to_multiple_of=value).pad_to_multiple_of is None
 
 
 def test_unsupported_fields_listed_are_real_trl_fields():
