@@ -38,6 +38,7 @@ from .callbacks.interrupt import GracefulInterrupt
 from .file_checks import check_json as _check_json
 from .file_checks import check_safetensors as _check_safetensors
 from .file_checks import check_torch_save as _check_torch_save
+from .file_rendezvous import FileRendezvous, remove_stale_rendezvous
 from .files import fsync_tree, is_disk_full, publish_directory
 from .run_dir import (
     CheckpointError,
@@ -135,6 +136,31 @@ def _deepspeed_weights(p: Path) -> bool:
 
 
 # -- writing checkpoints ----------------------------------------------------------------------------------------
+def rng_state() -> dict | None:
+    """The random generators' states as transformers' checkpoints hold them (``rng_state*.pth``): Python's, NumPy's,
+    torch's CPU and CUDA ones; None on other accelerators (their states are left to transformers' own save)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and accelerator.type != "cuda":
+        return None
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        state["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+    return state
+
+
+class _NoRendezvous:
+    """A single process's stalled save: nothing to meet."""
+
+    def wait(self, name: str) -> None:
+        pass
+
+
 def _tmp_tag(trainer) -> str:
     # every process writes its RNG state into the same directory: under several processes the name must not
     # depend on the pid
@@ -189,6 +215,10 @@ class CheckpointingMixin:
     interrupted: int | None = None
     interrupt_checkpoint: str | None = None
     _resume_checkpoint: str | None = None
+    _stalled_save: FileRendezvous | _NoRendezvous | None = None
+    rollout_rng_state: dict | None = None
+    """The RNG states as the latest rollout of the training thread started (:func:`rng_state`): what a checkpoint
+    written while that rollout is stuck records."""
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, *,
               force_resume: bool = False, **kwargs):
@@ -204,6 +234,8 @@ class CheckpointingMixin:
             resume = resolve_resume(resume_from_checkpoint, args.output_dir)
             claim_output_dir(args.output_dir, resuming=resume is not None, overwrite=args.overwrite_output_dir,
                              remove=args.should_save)
+            if args.should_save:
+                remove_stale_rendezvous(args.output_dir)
             if resume is not None:
                 check_signature(self.run_signature(), resume, force_resume)
             return self._train_guarded(resume, trial, ignore_keys_for_eval, **kwargs)
@@ -248,7 +280,7 @@ class CheckpointingMixin:
             os.makedirs(run_dir, exist_ok=True)
             remove_partial_checkpoints(run_dir)
             shutil.rmtree(staging, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
+        self._everyone("staged")
         args.output_dir, args.save_total_limit = staging, None
         written = os.path.join(staging, name)
         try:
@@ -263,7 +295,7 @@ class CheckpointingMixin:
                 self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
                 if args.should_save:
                     self.state.save_to_json(os.path.join(written, "trainer_state.json"))
-            self.accelerator.wait_for_everyone()
+            self._everyone("written")
             if args.should_save:
                 fsync_tree(written)
                 publish_directory(written, final)
@@ -286,7 +318,43 @@ class CheckpointingMixin:
 
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
-        self.accelerator.wait_for_everyone()
+        self._everyone("published")
+
+    def _everyone(self, name: str) -> None:
+        """A checkpoint writer's barrier: the process group's, or, in a stalled run's save, the file rendezvous."""
+        if self._stalled_save is not None:
+            self._stalled_save.wait(name)
+        else:
+            self.accelerator.wait_for_everyone()
+
+    def save_stalled_checkpoint(self, rendezvous: FileRendezvous | None = None) -> str:
+        """Save a checkpoint from the watchdog's thread while the training thread is stuck in a rollout (its weights
+        and optimizer are those of the last optimizer step): atomically, as a periodic save, with the RNG state the
+        rollout started from (the one a periodic checkpoint of the last step holds), and, under several processes,
+        without a collective: ``rendezvous`` stands in for the process group's barriers, and the flops are counted
+        on this process alone. A resume from it trains as an uninterrupted run would. Returns its path."""
+        self._stalled_save = rendezvous if rendezvous is not None else _NoRendezvous()
+        try:
+            self._save_checkpoint(self.model, None)
+        finally:
+            self._stalled_save = None
+        return f"{self.args.output_dir}/checkpoint-{self.state.global_step}"
+
+    def store_flos(self) -> None:
+        if self._stalled_save is None:
+            return super().store_flos()
+        self.state.total_flos += self.current_flos  # this process's: a sum over processes is a collective
+        self.current_flos = 0
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        snapshot = self.rollout_rng_state if self._stalled_save is not None else None
+        if snapshot is None:
+            return super()._save_rng_state(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        name = "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
+        import torch
+
+        torch.save(snapshot, os.path.join(output_dir, name))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         from .checkpoint_weights import load_renamed, needs_renamed_load

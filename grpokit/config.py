@@ -327,7 +327,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     )
     stall_action: str = field(
         default="report", metadata=_meta("Watchdog: 'report' (say it, keep waiting) or 'save_and_exit' (say it, save "
-                                         "a checkpoint on one process, exit with status 124).")
+                                         "one consistent checkpoint, exit with status 124).")
     )
     # Compatibility with scripts written for transformers 4 (Unsloth's guides use it)
     warmup_ratio: float | None = field(

@@ -28,7 +28,7 @@ from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
 from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import install_hooks
 from .checkpoint_parts import load_parts, save_parts
-from .checkpoints import CheckpointingMixin
+from .checkpoints import CheckpointingMixin, rng_state
 from .config import GRPOConfig
 from .data import is_iterable_dataset
 from .entropy_control import EntropyBonus
@@ -344,6 +344,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             self._take_rollout_stats(stats, "eval")
             return batch
         if self.rollout_buffer.needs_generation():
+            self.rollout_rng_state = rng_state()  # what a checkpoint of a rollout stuck below records (checkpoints.py)
             batch, stats = self.pipeline.next_batch(generation_batch, self.driver)
             self._take_rollout_stats(stats, "train")
             self.rollout_buffer.fill(batch)

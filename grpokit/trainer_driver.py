@@ -13,6 +13,7 @@ from .logprobs import completion_logps
 from .process_group import any_process, stop_together
 from .rollout.base import Generation, SamplingParams
 from .sharding import full_weights, sharding_kind, weights_for_generation
+from .watchdog import stage
 
 
 def sampling_params(args) -> SamplingParams:
@@ -145,7 +146,8 @@ class TrainerDriver:
         return gather_object(obj)
 
     def any_process(self, flag: bool) -> bool:
-        return any_process(flag, self.device)
+        with stage("waiting for other ranks"):  # dynamic sampling's next round: a rollout's collective (watchdog)
+            return any_process(flag, self.device)
 
     def stop_together(self, cause: str | None) -> None:
         stop_together(cause, self.device)

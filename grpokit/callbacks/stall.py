@@ -3,10 +3,12 @@ starts or ends, no optimizer step: :mod:`grpokit.watchdog`), say which stage eve
 ``stall_action="save_and_exit"`` also save a checkpoint and end the process with :data:`STALL_EXIT_CODE`.
 
 A stuck thread cannot be unwound, so the process ends with ``os._exit`` after flushing its output (exit handlers
-are not run: one of them could wait for the stuck thread). The checkpoint is written only where it is consistent
-and possible: on a single process, while the training thread is in a rollout stage (its weights are then those of
-the last optimizer step). Under several processes none is written (a checkpoint needs every rank, and the ranks are
-waiting for one another); the latest periodic checkpoint stays, and ``--resume`` continues from it.
+are not run: one of them could wait for the stuck thread). The checkpoint is written only where it is consistent:
+while the training thread of every process is in a rollout stage (its weights and optimizer are then those of the
+last optimizer step), with the RNG state that rollout started from, so a resume trains as an uninterrupted run would.
+Under several processes the ranks' watchdogs agree and write it through files (grpokit/file_rendezvous.py), never a
+collective: the training threads are blocked in one. Sharded weights (FSDP, DeepSpeed) need collectives to be
+gathered: there none is written, and the latest periodic checkpoint stays.
 """
 
 from __future__ import annotations
@@ -19,15 +21,25 @@ from collections.abc import Callable
 
 from transformers import TrainerCallback
 
+from ..file_rendezvous import STALL_DIR_PREFIX, FileRendezvous, RendezvousTimeout
 from ..watchdog import BOARD, Watchdog, describe, progress
 
 logger = logging.getLogger("grpokit")
 
+VOTE_BOUND_S = 60.0
+"""Beyond ``stall_timeout_s``, how long a stalled rank waits for the others to say whether a checkpoint is
+consistent (their watchdogs fire within ``stall_timeout_s`` of one another)."""
+SAVE_BOUND_S = 600.0
+"""Beyond ``stall_timeout_s``, how long a stalled rank waits for the others at each step of writing the checkpoint."""
+
 STALL_EXIT_CODE = 124
 """The exit status of a run the watchdog ended (``stall_action="save_and_exit"``), as ``timeout(1)``'s."""
 
-ROLLOUT_STAGES = ("generation", "rollout_func", "environment", "tool", "scoring", "waiting for rollouts")
-"""Stages in which the training thread holds the weights of the last optimizer step (a checkpoint is consistent)."""
+ROLLOUT_STAGES = ("generation", "rollout_func", "environment", "tool", "scoring", "waiting for rollouts", "finishing",
+                  "waiting for other ranks")
+"""Stages in which the training thread holds the weights of the last optimizer step (a checkpoint is consistent);
+``finishing`` and ``waiting for other ranks`` (dynamic sampling's agreement on another round) hold the rollout's
+collectives, where the other ranks wait for one stuck in user code."""
 
 
 class StallWatchdog(TrainerCallback):
@@ -75,18 +87,39 @@ class StallWatchdog(TrainerCallback):
         t = self.trainer
         latest = latest_checkpoint(t.args.output_dir)
         keep = f"the latest checkpoint is {latest}" if latest else "there is no earlier checkpoint"
-        if t.args.world_size > 1:
-            return (f"no checkpoint written (under {t.args.world_size} processes a checkpoint needs every rank, and "
-                    f"they are waiting for one another); {keep}")
         where = BOARD.innermost(self._training_thread) if self._training_thread is not None else None
-        if where not in ROLLOUT_STAGES:
-            return f"no checkpoint written (the training thread is not in a rollout stage: its weights may be " \
-                   f"mid-update); {keep}"
+        unsafe = None if where in ROLLOUT_STAGES else (
+            "the training thread is not in a rollout stage: its weights may be mid-update")
+        if t.args.world_size > 1 and (t.is_deepspeed_enabled or t.is_fsdp_enabled):
+            unsafe = "sharded weights are gathered by collectives, and the ranks are waiting for one another"
+        rendezvous = None
         try:
-            path = t.save_checkpoint()
+            if t.args.world_size > 1:
+                rendezvous, unsafe = self._agree(unsafe)
+            if unsafe is not None:
+                return f"no checkpoint written ({unsafe}); {keep}"
+            path = t.save_stalled_checkpoint(rendezvous)
+        except RendezvousTimeout as e:
+            return f"no checkpoint written ({e}); {keep}"
         except Exception as e:  # noqa: BLE001 - the exit must still happen, with the reason said
             return f"the checkpoint could not be written ({type(e).__name__}: {e}); {keep}"
+        finally:
+            if rendezvous is not None:
+                rendezvous.close()
         return f"checkpoint saved to {path}; continue with --resume (Python: resume_from_checkpoint='auto')"
+
+    def _agree(self, unsafe: str | None) -> tuple[FileRendezvous, str | None]:
+        """Several processes: every rank's watchdog says whether its own training thread is at a consistent point
+        (a rollout stage, or the rollout's collectives); the checkpoint is written only when all are. They meet
+        through files in ``output_dir`` (a collective from this thread would cross the one a training thread is
+        blocked in), within ``stall_timeout_s`` plus a minute: each rank's watchdog fires within ``stall_timeout_s``
+        of the others'. Returns the rendezvous and the first reason against, by rank."""
+        a, step = self.trainer.args, self.trainer.state.global_step
+        rendezvous = FileRendezvous(os.path.join(a.output_dir, f"{STALL_DIR_PREFIX}{step}"), a.process_index,
+                                    a.world_size, timeout_s=float(a.stall_timeout_s) + SAVE_BOUND_S)
+        votes = rendezvous.wait("vote", unsafe or "", timeout_s=float(a.stall_timeout_s) + VOTE_BOUND_S)
+        against = [(r, why) for r, why in sorted(votes.items()) if why]
+        return rendezvous, (f"rank {against[0][0]}: {against[0][1]}" if against else None)
 
     def _say(self, line: str) -> None:
         self.reports.append(line)

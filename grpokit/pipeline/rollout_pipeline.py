@@ -14,6 +14,7 @@ import copy
 
 from ..batch import RolloutBatch
 from ..rollout.sample import ScoredSamples
+from ..watchdog import stage
 from .driver import RolloutDriver
 from .filtering import GroupFilter
 from .finishing import BatchFinisher
@@ -57,7 +58,8 @@ class RolloutPipeline:
     def finish(self, samples: ScoredSamples, stats: RolloutStats, driver: RolloutDriver, mode: str = "train",
                behaviour_logps=None) -> tuple[RolloutBatch, RolloutStats]:
         """The finishing stage (the learner's thread): advantages over every process, masks, log-probs, metrics."""
-        return self.finisher(samples, driver, mode, stats, behaviour_logps=behaviour_logps), stats
+        with stage("finishing"):  # its collectives are where other ranks wait for one stuck in user code (watchdog)
+            return self.finisher(samples, driver, mode, stats, behaviour_logps=behaviour_logps), stats
 
     def next_batch(self, rows: list[dict], driver: RolloutDriver) -> tuple[RolloutBatch, RolloutStats]:
         """The next training batch: from ``rows`` (the dataloader's generation batch), or, with a producer, the next
