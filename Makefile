@@ -7,7 +7,7 @@ PIPQ ?= -qq
 # what installing took)
 STARTED_AT := $(shell date +%s)
 
-.PHONY: install install-test demo test test-fast bench
+.PHONY: install install-test demo test test-fast lint bench
 
 # torch first, pinned: an unpinned torch on a machine without it pulls a multi-GB CUDA build. `install` is what the
 # demo needs; `install-test` adds the test extra (TRL as the peer, DeepSpeed, bitsandbytes, ...), which the demo
@@ -23,15 +23,24 @@ install-test: install
 # `make demo SEED=1`: another seed (the held-out questions stay the same)
 SEED ?= 0
 
+# `make demo DEMO_ARGS="--max-steps 3 --eval-n 8"`: a short demo, as CI walks the README's path before the tests
+DEMO_ARGS ?=
+
 demo: install
-	$(PY) -m grpokit.cli demo --seed $(SEED) --finish-within 590 --started-at $(STARTED_AT)
+	$(PY) -m grpokit.cli demo --seed $(SEED) --finish-within 590 --started-at $(STARTED_AT) $(DEMO_ARGS)
 
 # two pytest workers, each with its share of the cores (tests/conftest.py); a file's tests stay on one worker (its
 # module fixtures are built once). `make test TEST_WORKERS=0` runs them in one process.
 TEST_WORKERS ?= 2
 
+# behaviour only: the project's own rules (lint, the code's shape, docs that match the code) are `make lint`'s
 test: install-test
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not codebase"
 
 test-fast:
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not codebase"
+
+# the project's style and shape: ruff, then tests/test_codebase.py (import cycles, short functions, docs that exist)
+lint: install-test
+	$(PY) -m ruff check grpokit tests benchmarks
+	$(PY) -m pytest -q -m codebase tests/test_codebase.py
