@@ -224,21 +224,23 @@ def _score_all(reward_funcs: list, reward_processing_classes: list, kwargs: dict
             results[k] = nan_rows
             continue
         with stage("scoring", function=repr(name)):
-            if isinstance(func, torch.nn.Module):
-                scores = _reward_model_scores(func, reward_processing_classes[k], prompts, completions)
-                results[k] = _check_values(name, scores, n, prompts, completions)
-                continue
             if callable(getattr(func, "score_bounded", None)):  # an environment's get_reward: bounded per row
                 results[k] = _check_values(name, func.score_bounded(kwargs, bounds, incidents), n, prompts, completions)
                 continue
+            model = isinstance(func, torch.nn.Module)  # a reward model: its forward, under the same bound
+            fn = (functools.partial(_reward_model_scores, func, reward_processing_classes[k], prompts, completions)
+                  if model else functools.partial(func, **kwargs))
             try:
-                value = call(functools.partial(func, **kwargs), timeout_s=bounds.reward_timeout_s,
-                             what=f"reward function {name!r}", where=where, await_result=False)
+                value = call(fn, timeout_s=bounds.reward_timeout_s, what=f"reward {'model' if model else 'function'} "
+                             f"{name!r}", where=where, await_result=False)
             except CallTimeout as e:
                 reward_timed_out(e, name, bounds, incidents)
                 results[k] = nan_rows
                 continue
             except Exception as e:
+                if model:
+                    raise RewardFunctionError(f"reward model {name!r} raised {type(e).__name__}: {e}"
+                                              f"{where}") from e
                 raise _reward_error(name, func, kwargs, n, e, bounds.reward_timeout_s) from e
         if inspect.isawaitable(value):
             pending[k] = value

@@ -441,3 +441,37 @@ def test_cli_a_stop_is_one_line_and_status_1(tmp_path, tiny_dir, capsys):
     assert err.startswith(f"grpokit: error: the run stopped: reward function 'sleepy' did not return within {BOUND:g} "
                           "s on the batch of 4 completions (rows 0-3; first prompt")
     assert err.endswith("(reward_timeout_action='stop')")
+
+
+def test_a_reward_model_that_hangs_is_abandoned_at_the_reward_bound_counted_and_named(tmp_path, caplog):
+    """A reward model (a sequence-classification checkpoint) runs under ``reward_timeout_s`` as a reward function
+    does: its forward hangs at the first step, its rows count as unscored there, the run trains on; a second step
+    scores normally. Through the trainer."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
+    reward_model = Qwen2ForSequenceClassification(cfg)
+    stuck, forward = Hang(name="forward"), reward_model.forward
+    HANGS["reward_model"] = stuck
+
+    def hangs_once(*args, **kw):
+        if stuck.calls == 0:
+            stuck()
+        return forward(*args, **kw)
+
+    reward_model.forward = hangs_once
+    trainer = GRPOTrainer(tiny_model(tok), [varied_reward, reward_model], args=make_args(
+        tmp_path / "out", reward_timeout_s=BOUND, max_steps=2), train_dataset=Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"Go {i}."}] for i in range(8)]}), processing_class=tok,
+        reward_processing_classes=[None, tok])
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        trainer.train()
+    stuck.release()
+    name = trainer.reward_func_names[1]
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert trainer.state.global_step == 2
+    assert logs[0][f"rewards/{name}/timeout_total"] == 1.0 and f"rewards/{name}/mean" not in logs[0]  # unscored
+    assert math.isfinite(logs[1][f"rewards/{name}/mean"])
+    assert f"reward model {name!r} did not return within {BOUND:g} s on the batch of" in caplog.text
