@@ -23,7 +23,7 @@ from typing import Any
 
 from ..rewards.scoring import RewardFunctionError, reward_timed_out
 from ..user_calls import CallBounds, CallTimeout, Incidents, call, call_many, is_busy
-from .execution import truncate_result
+from .execution import truncate_result, without_images
 
 logger = logging.getLogger("grpokit")
 
@@ -146,7 +146,7 @@ def reset_all(instances: list, rows: list[dict], bounds: CallBounds, incidents: 
     values = call_many(calls, bounds.tool_timeout_s, whats, [f" on row {i} of {len(rows)}" for i in range(len(rows))],
                        concurrent=False, owners=instances)
     out = []
-    for value in values:
+    for value, what in zip(values, whats):
         if isinstance(value, CallTimeout):
             incidents.count("tools/timeout_total")
             incidents.count("tools/reset/timeout_total")
@@ -155,6 +155,9 @@ def reset_all(instances: list, rows: list[dict], bounds: CallBounds, incidents: 
             value = None
         elif isinstance(value, Exception):
             raise value
+        value, images = without_images(value, what)
+        if images:
+            incidents.count("tools/images_dropped_total", images)
         value, cut = truncate_result(value, bounds.max_tool_result_chars)
         if cut:
             incidents.count("tools/truncated_total", cut)

@@ -4,7 +4,8 @@ error message in the tool turn, counted as a failure, never a crash of the run (
 
 Each call is bounded by ``timeout_s`` (``tool_timeout_s``, :mod:`grpokit.user_calls`): past it the model gets an
 error message saying so, the call is counted as a failure and a timeout, and it is abandoned. A result longer than
-``max_chars`` characters (``max_tool_result_chars``) is cut with a marker saying how long it was."""
+``max_chars`` characters (``max_tool_result_chars``) is cut with a marker saying how long it was. An image in a
+result is replaced by a marker (:func:`without_images`): tool results reach the model as text."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..user_calls import CallTimeout, call
+from ..vision.messages import holds_image
 from ..watchdog import stage
 
 logger = logging.getLogger("grpokit")
@@ -31,6 +33,39 @@ class ToolResult:
     """The call passed its bound (``failed`` too)."""
     cut: int = 0
     """How many texts of the result were cut to ``max_chars``."""
+    images: int = 0
+    """How many images the result carried (each replaced by :data:`IMAGE_MARKER`)."""
+
+
+IMAGE_MARKER = "[an image: not shown; grpokit gives the model tool results and observations as text]"
+"""What the model reads in place of an image a tool or an environment returned."""
+
+_told_about_images: set[str] = set()
+
+
+def without_images(content: Any, who: str) -> tuple[Any, int]:
+    """A tool result or observation that carries images, as text: its texts, with every image (a PIL image, an image
+    content part) replaced by :data:`IMAGE_MARKER`; and how many images there were (content without one: as it is,
+    0). grpokit passes tool results and observations to the model as text
+    (TRL 1.16 passes a vision-language model the images of a tool's result; grpokit does not yet): the first time
+    ``who`` returns one, one warning says so and what to do, instead of a crash or a silent drop."""
+    if not holds_image(content):
+        return content, 0
+    parts = content if isinstance(content, (list, tuple)) else [content]
+    texts, n = [], 0
+    for part in parts:
+        if holds_image(part):
+            texts.append(IMAGE_MARKER)
+            n += 1
+        else:
+            texts.append(part["text"] if isinstance(part, dict) and isinstance(part.get("text"), str) else str(part))
+    if who not in _told_about_images:
+        _told_about_images.add(who)
+        logger.warning("grpokit: %s returned an image; grpokit gives the model tool results and observations as text "
+                       "(images from tools and environments are not supported yet), so the model reads %r in its "
+                       "place (counted in tools/images_dropped_total). Return text: a description, or a name the "
+                       "model can refer to; a prompt's own images go in the dataset's image column", who, IMAGE_MARKER)
+    return "\n".join(texts), n
 
 
 def truncate_result(content: Any, max_chars: int | None) -> tuple[Any, int]:
@@ -74,8 +109,9 @@ def _run_one(tool_call: dict[str, Any], tools: dict[str, Callable], timeout_s: f
         return ToolResult(name, str({"error": str(e)}), True, timed_out=True)
     except Exception as e:  # noqa: BLE001 - a tool's failure is the model's to read, not the run's to die of
         return ToolResult(name, str({"error": str(e)}), True)
+    result, images = without_images(result, f"tool {name!r}")
     content, cut = truncate_result(result if isinstance(result, list) else str(result), max_chars)
-    return ToolResult(name, content, False, cut=cut)
+    return ToolResult(name, content, False, cut=cut, images=images)
 
 
 def run_calls(calls_per_row: list[list[dict[str, Any]]], tools_per_row: list[dict[str, Callable]],

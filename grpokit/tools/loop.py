@@ -138,6 +138,8 @@ def _count(results: list[ToolResult], incidents: Incidents) -> None:
             incidents.count(f"tools/{res.name}/timeout_total")
         if res.cut:
             incidents.count("tools/truncated_total", res.cut)
+        if res.images:
+            incidents.count("tools/images_dropped_total", res.images)
 
 
 def _turn_images(vision, images, rollouts, continuing, suffixes) -> dict:

@@ -81,3 +81,19 @@ def strip_images(messages: Any) -> Any:
             m = {**m, "content": content}
         out.append(m)
     return out
+
+
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+def holds_image(value: Any) -> bool:
+    """Whether a tool's result or an environment's observation carries an image: a PIL image, or a content part
+    ``{"type": "image" | "image_url" | "input_image", ...}``, at any depth of lists, tuples and dicts."""
+    if type(value).__module__.startswith("PIL.") and hasattr(value, "getpixel"):
+        return True
+    if isinstance(value, dict):
+        return value.get("type") in IMAGE_PART_TYPES or any(holds_image(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_image(v) for v in value)
+    return False
+

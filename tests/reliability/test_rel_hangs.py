@@ -293,6 +293,51 @@ def test_long_tool_results_and_observations_are_cut_and_the_budget_holds(tmp_pat
     assert math.isfinite(log["loss"])
 
 
+def snapshot(what: str):
+    """Take a picture.
+
+    Args:
+        what: what to show
+    """
+    from PIL import Image
+
+    return [{"type": "text", "text": f"a picture of {what}:"}, {"type": "image", "image": Image.new("RGB", (4, 4))}]
+
+
+class Camera:
+    def reset(self, **row):
+        from PIL import Image
+
+        return Image.new("RGB", (4, 4))
+
+
+def test_images_from_tools_and_environments_are_replaced_by_a_marker_counted_and_said_once(tmp_path, caplog):
+    """A tool or an environment's reset that returns an image, on a text model: the model reads a marker in its place
+    (never a crash, never a silent drop), each is counted, and one warning per tool names it and says what to do."""
+    from grpokit.tools.execution import IMAGE_MARKER, _told_about_images
+
+    _told_about_images.clear()
+    tok = tokenizer()
+    call = '<tool_call>{"name": "snapshot", "arguments": {"what": "a cat"}}</tool_call>'
+    trainer = GRPOTrainer(tiny_model(tok, max_positions=4096), varied_reward, args=make_args(
+        tmp_path / "out", max_completion_length=400, max_steps=2), train_dataset=Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"Go {i}."}] for i in range(8)]}), processing_class=tok,
+        tools=[snapshot], environment_factory=Camera, rollout_backend=ScriptedBackend(tok, first=lambda i: call))
+    batches = record_batches(trainer)
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        trainer.train()
+    s = batches[0]
+    assert all(c[1]["content"] == f"a picture of a cat:\n{IMAGE_MARKER}" for c in s.completions)
+    assert all(IMAGE_MARKER in text for text in s.prompt_texts)  # reset's observation
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert [h["tools/images_dropped_total"] for h in logs] == [8, 8]  # 4 observations and 4 results a step
+    assert all(h["tools/failure_frequency"] == 0 for h in logs)
+    told = [r.getMessage() for r in caplog.records if "returned an image" in r.getMessage()]
+    assert len(told) == 2 and {m.split(" returned")[0] for m in told} == {"grpokit: tool 'snapshot'",
+                                                                           "grpokit: Camera.reset()"}
+    assert "not supported yet" in told[0] and "Return text" in told[0]
+
+
 def test_the_watchdog_names_the_stuck_stage_and_saves_a_checkpoint(tmp_path):
     """With every bound off, a reward that hangs at step 2: the watchdog reports where the run is stuck, saves
     checkpoint-1 from its own thread and ends the process (here a stand-in exit that records the status and lets the
