@@ -316,6 +316,17 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                                      "get_reward) may take before it is abandoned: the model gets an error message "
                                      "instead (tools/timeout_total); None: no bound.")
     )
+    reward_process: bool = field(
+        default=False, metadata=_meta("Score the reward functions in a process of their own: memory bounded by "
+                                      "worker_memory_mb (one that runs out counts as failed: rewards/<name>/"
+                                      "failed_total; the process restarts, the trainer goes on), a call past "
+                                      "reward_timeout_s is ended, not abandoned, and reward code no longer shares "
+                                      "the trainer's GIL. Functions cross by pickling (docs/reliability.md).")
+    )
+    worker_memory_mb: int | None = field(
+        default=None, metadata=_meta("Memory limit of the reward process (reward_process=True), in MB; None: a "
+                                     "quarter of the machine's memory.")
+    )
     max_tool_result_chars: int | None = field(
         default=16384, metadata=_meta("Tool results and environment observations longer than this many characters "
                                       "are cut with a marker (tools/truncated_total); None: no bound.")
@@ -427,6 +438,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         for name in ("reward_timeout_s", "tool_timeout_s", "stall_timeout_s"):
             check.number(name, 0, lo_open=True, optional=True)
         check.number("max_tool_result_chars", 1, integer=True, optional=True)
+        check.boolean("reward_process")
+        check.number("worker_memory_mb", 64, integer=True, optional=True)
         if self.max_staleness > 0 and self.staleness_mode == "exact" and self.weight_sync_steps != 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps!r} is not allowed with staleness_mode='exact': "
                              "every version's weights must be published; use 1")
@@ -598,6 +611,9 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                 if value != default:
                     logger.warning(f"{name}={value!r} has no effect without dynamic_sampling=True (it shapes DAPO's "
                                    "dynamic sampling, which is off)")
+        if self.worker_memory_mb is not None and not self.reward_process:
+            logger.warning(f"worker_memory_mb={self.worker_memory_mb!r} has no effect without reward_process=True (the "
+                           "reward functions run in the trainer's process and share its memory)")
         spec = loss_spec(self.loss_type)
         level = self.importance_sampling_level
         if level == "sequence" and spec.aggregation in TOKEN_SUMMED and "sequence" in spec.levels:

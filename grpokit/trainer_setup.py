@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -30,6 +31,8 @@ class Rewards:
     processing_classes: list
     names: list[str]
     weights: torch.Tensor
+    process: Any = None
+    """The reward process the user's functions score in (``reward_process=True``: grpokit/rewards/process.py)."""
 
 
 def setup_rewards(reward_funcs, reward_processing_classes, args: GRPOConfig, multiturn) -> Rewards:
@@ -57,8 +60,30 @@ def setup_rewards(reward_funcs, reward_processing_classes, args: GRPOConfig, mul
     weights = list(args.reward_weights or [1.0] * len(user)) + [1.0] * len(extra)
     if args.overlong_buffer_length is not None:
         weights.append(1.0)  # the overlong penalty enters as one more reward column
-    return Rewards(funcs, processing_classes, [reward_func_name(f) for f in funcs],
-                   torch.tensor(weights, dtype=torch.float32))
+    names = [reward_func_name(f) for f in funcs]
+    funcs, process = _in_reward_process(funcs, len(user), args, multiturn)
+    return Rewards(funcs, processing_classes, names, torch.tensor(weights, dtype=torch.float32), process)
+
+
+def _in_reward_process(funcs: list, n_user: int, args: GRPOConfig, multiturn) -> tuple[list, Any]:
+    """With ``reward_process``: the user's reward functions (not reward models, which stay on the trainer's device)
+    replaced by their stand-ins in one reward process (grpokit/rewards/process.py), after checking each can cross."""
+    from .rewards.process import ProcessReward, RewardProcess, check_picklable, default_memory_mb
+
+    moved = [i for i, f in enumerate(funcs[:n_user]) if not isinstance(f, torch.nn.Module)]
+    if not args.reward_process or not moved:
+        return funcs, None
+    if multiturn is not None and multiturn.environments is not None:
+        raise ValueError("reward_process=True is not allowed with environment_factory: reward functions receive the "
+                         "environment instances (environments=), which live in the trainer's process; use "
+                         "reward_process=False")
+    check_picklable([funcs[i] for i in moved])
+    memory = args.worker_memory_mb if args.worker_memory_mb is not None else default_memory_mb()
+    process = RewardProcess([funcs[i] for i in moved], memory)
+    out = list(funcs)
+    for k, i in enumerate(moved):
+        out[i] = ProcessReward(funcs[i], k, process)
+    return out, process
 
 
 def _reward_tokenizer(func, proc):
@@ -298,7 +323,8 @@ def build_pipeline(model, processing_class, rewards: Rewards, args: GRPOConfig, 
     if train_dataset is not None and not is_iterable_dataset(train_dataset):
         order = PromptOrder(len(train_dataset), prompts_per_batch, bool(args.shuffle_dataset), args.seed)
     scorer = RolloutScorer(model, processing_class, rewards.funcs, rewards.processing_classes, args,
-                           multiturn=multiturn, rollout_func=rollout_func, rollout_func_owner=trainer)
+                           multiturn=multiturn, rollout_func=rollout_func, rollout_func_owner=trainer,
+                           reward_process=rewards.process)
     group_filter = None
     if args.dynamic_sampling:
         group_filter = GroupFilter(train_dataset, order, args, rewards.weights, tokenizer_of(processing_class).pad_token_id,

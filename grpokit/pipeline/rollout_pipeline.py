@@ -82,10 +82,12 @@ class RolloutPipeline:
         self._taken_state = copy.deepcopy(self.sampling_state_dict())
 
     def stop(self) -> None:
-        """Stop the producer (the state stays the copy of the last batch taken: what a later checkpoint holds)."""
+        """Stop the producer (the state stays the copy of the last batch taken: what a later checkpoint holds), then
+        the reward process, if the rewards run in one."""
         if self.producer is not None:
             self.producer.close()
             self.producer = None
+        self.scorer.close()
 
     # -- state ---------------------------------------------------------------------------------------------------------
     def sampling_state_dict(self) -> dict:

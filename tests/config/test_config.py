@@ -98,6 +98,8 @@ BAD = [
     (dict(epsilon=1.5), "epsilon=1.5", "(0, 1)"),
     (dict(generation_kwargs="{bad json"), "generation_kwargs=", "not valid JSON"),
     (dict(pad_to_multiple_of=64), "pad_to_multiple_of=64", "use 'auto' or None"),
+    (dict(reward_process="yes"), "reward_process='yes'", "expected true or false"),
+    (dict(reward_process=True, worker_memory_mb=10), "worker_memory_mb=10", "[64, inf)"),
     (dict(pad_to_multiple_of="128"), "pad_to_multiple_of='128'", "use 'auto' or None"),
 ]
 
@@ -154,3 +156,14 @@ def test_a_dynamic_sampling_option_without_dynamic_sampling_is_named_in_a_warnin
         cfg(tmp_path, dynamic_sampling=True, **{name: value})
         cfg(tmp_path)
     assert not [r for r in caplog.records if "dynamic_sampling" in r.getMessage()]
+
+
+def test_worker_memory_mb_without_a_reward_process_is_named_in_a_warning(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="grpokit"):
+        cfg(tmp_path, worker_memory_mb=2048)
+    assert "worker_memory_mb=2048 has no effect without reward_process=True" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpokit"):
+        cfg(tmp_path, worker_memory_mb=2048, reward_process=True)
+    assert "worker_memory_mb" not in caplog.text
+
