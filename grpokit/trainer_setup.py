@@ -323,15 +323,14 @@ def build_pipeline(model, processing_class, rewards: Rewards, args: GRPOConfig, 
     if train_dataset is not None and not is_iterable_dataset(train_dataset):
         order = PromptOrder(len(train_dataset), prompts_per_batch, bool(args.shuffle_dataset), args.seed)
     scorer = RolloutScorer(model, processing_class, rewards.funcs, rewards.processing_classes, args,
-                           multiturn=multiturn, rollout_func=rollout_func, rollout_func_owner=trainer,
-                           reward_process=rewards.process)
+                           multiturn=multiturn, rollout_func=rollout_func, rollout_func_owner=trainer)
     group_filter = None
     if args.dynamic_sampling:
         group_filter = GroupFilter(train_dataset, order, args, rewards.weights, tokenizer_of(processing_class).pad_token_id,
                                    rank=args.process_index, world_size=args.world_size)
     finisher = BatchFinisher(args, rewards.names, rewards.weights,
                              reuses_batches=args.gradient_accumulation_steps % generate_every != 0)
-    return RolloutPipeline(scorer, finisher, group_filter, order)
+    return RolloutPipeline(scorer, finisher, group_filter, order, reward_process=rewards.process)
 
 
 def dataset_items(train_dataset, eval_dataset) -> list[tuple[str, object]]:

@@ -35,8 +35,11 @@ class RolloutPipeline:
     checkpoint_file = "grpokit_state_{process}.json"
 
     def __init__(self, scorer: RolloutScorer, finisher: BatchFinisher, group_filter: GroupFilter | None = None,
-                 order: PromptOrder | None = None):
+                 order: PromptOrder | None = None, reward_process=None):
         self.scorer, self.finisher, self.filter, self.order = scorer, finisher, group_filter, order
+        self.reward_process = reward_process
+        """The process the scorer's reward functions run in (``reward_process=True``: grpokit/rewards/process.py),
+        stopped with the pipeline (:meth:`stop`); scoring after that starts it again."""
         self.bounds = scorer.bounds
         """The time bounds on user code and the run's stop flag (grpokit/user_calls.py)."""
         self.producer = None
@@ -87,7 +90,8 @@ class RolloutPipeline:
         if self.producer is not None:
             self.producer.close()
             self.producer = None
-        self.scorer.close()
+        if self.reward_process is not None:
+            self.reward_process.close()
 
     # -- state ---------------------------------------------------------------------------------------------------------
     def sampling_state_dict(self) -> dict:

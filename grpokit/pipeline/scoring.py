@@ -29,10 +29,8 @@ class RolloutScorer:
 
     def __init__(self, model: torch.nn.Module, processing_class, reward_funcs: list, reward_processing_classes: list,
                  args, *, multiturn=None, rollout_func: Callable | None = None, rollout_func_owner: Any = None,
-                 bounds: CallBounds | None = None, reward_process=None):
+                 bounds: CallBounds | None = None):
         self.processing_class = processing_class
-        self.reward_process = reward_process
-        """The process the reward functions score in (``reward_process=True``), stopped by :meth:`close`."""
         self.reward_funcs, self.reward_processing_classes = reward_funcs, reward_processing_classes
         self.args, self.multiturn = args, multiturn
         self.rollout_func, self.rollout_func_owner = rollout_func, rollout_func_owner
@@ -73,11 +71,6 @@ class RolloutScorer:
                                        a.overlong_penalty_factor)
             s.rewards = torch.cat([s.rewards, penalty.unsqueeze(1).to(s.rewards)], 1)
         return s
-
-    def close(self) -> None:
-        """Training ended: the reward process (if any) stops; scoring after this starts it again."""
-        if self.reward_process is not None:
-            self.reward_process.close()
 
     def _rollout_func_turn(self, rows: list[dict], driver: RolloutDriver) -> tuple:
         """The prompts and first replies from ``rollout_func``; its extra fields join the rows."""
