@@ -92,6 +92,8 @@ class StallWatchdog(TrainerCallback):
             "the training thread is not in a rollout stage: its weights may be mid-update")
         if t.args.world_size > 1 and (t.is_deepspeed_enabled or t.is_fsdp_enabled):
             unsafe = "sharded weights are gathered by collectives, and the ranks are waiting for one another"
+        elif t.args.world_size > 1 and getattr(t.state, "best_global_step", None):
+            unsafe = "tracking the best checkpoint (metric_for_best_model) saves through a collective"
         rendezvous = None
         try:
             if t.args.world_size > 1:
