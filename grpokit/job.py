@@ -345,8 +345,9 @@ class _JobRun:
 
         try:
             resume_path = resolve_resume(self.resume, self.config.output_dir)
-            claim_output_dir(self.out, resuming=resume_path is not None, overwrite=self.overwrite, job_outputs=True,
-                             remove=self.main, how_to_resume="--resume", how_to_overwrite="--overwrite")
+            if self.main:  # it alone judges: another rank that starts later would find what this one already wrote
+                claim_output_dir(self.out, resuming=resume_path is not None, overwrite=self.overwrite,
+                                 job_outputs=True, how_to_resume="--resume", how_to_overwrite="--overwrite")
         except (CheckpointError, RunDirError) as e:
             raise JobError(str(e)) from None
         if resume_path:

@@ -406,3 +406,21 @@ def test_cli_the_demo_never_replaces_an_earlier_demo(tmp_path, monkeypatch):
     assert _free_demo_dir() == "runs/demo-2"
     (tmp_path / "runs" / "demo-2" / "checkpoint-3").mkdir(parents=True)
     assert _free_demo_dir() == "runs/demo-3"
+
+
+def test_under_a_launcher_only_the_main_process_judges_the_output_dir(tmp_path, tiny_dir):
+    """Under torchrun every rank runs the job: the main one claims the directory, evaluates and writes
+    eval_before.json before any collective, so a rank that starts later found that file and refused the run as an
+    'earlier run' (a flaky failure of the launcher test on a loaded machine). Only the main process judges now."""
+    import grpokit.job as job
+
+    out = tmp_path / "out"
+    spec = yaml.safe_load(job_config(tmp_path, tiny_dir, out).read_text())
+    late = job._JobRun(spec, quiet=True, resume=None)
+    out.mkdir()
+    (out / "eval_before.json").write_text("[{}, []]")  # what the main process wrote while this rank was starting
+    late.main = False
+    assert late._start() is None
+    main_again = job._JobRun(spec, quiet=True, resume=None)
+    with pytest.raises(job.JobError, match=r"holds an earlier run \(eval_before.json\)"):
+        main_again._start()
