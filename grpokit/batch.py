@@ -49,6 +49,10 @@ class RolloutBatch:
     tool_mask: torch.Tensor | None = None
     """(N, C) 0 on completion tokens the model did not generate (tool results): they are context for the forward but
     take no part in the loss, the entropy or the lengths."""
+    sampler_routes: torch.Tensor | None = None
+    """(N, P + C, L, k) a Mixture-of-Experts sampler's experts at every position of the rows (``grpokit.moe``)."""
+    old_routes: torch.Tensor | None = None
+    """(N, P + C, L, k) the experts the old log-probs' forward used (``routing_replay="old"``)."""
     vision: VisionInputs | None = None
     """The prompts' image tensors (a vision-language model's batch with images), one row per row: every forward of
     these rows gets them."""

@@ -31,11 +31,13 @@ logger = logging.getLogger("grpokit")
 VLLM_MODES = ("colocate", "server")
 STALENESS_MODES = ("bounded", "exact")
 STALL_ACTIONS = ("report", "save_and_exit")
+ROUTING_REPLAY_MODES = ("none", "old", "rollout")
 CHOICE_FIELDS: dict[str, Any] = {
     "staleness_mode": STALENESS_MODES, "reward_timeout_action": REWARD_TIMEOUT_ACTIONS, "stall_action": STALL_ACTIONS,
     "loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
     "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS, "advantage_estimator": ADVANTAGE_ESTIMATORS,
     "vllm_mode": VLLM_MODES, "vllm_importance_sampling_mode": SAMPLER_CORRECTION_MODES,
+    "routing_replay": ROUTING_REPLAY_MODES,
 }
 """Fields whose value is one of a few names; validation lists them (``scale_rewards`` also takes True/False;
 ``loss_type`` reads the loss registry at each check)."""
@@ -100,6 +102,10 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     trust_remote_code: bool = field(default=False, metadata=_meta("Allow custom model code from the hub."))
     router_aux_loss_coef: float | None = field(
         default=None, metadata=_meta("MoE load-balancing loss coefficient (None: the model config's; 0: off).")
+    )
+    routing_replay: str = field(
+        default="none", metadata=_meta("Mixture-of-Experts routing replay: 'none', 'old' (force the experts of the "
+                                       "old log-probs' forward, R2) or 'rollout' (those chosen while generating, R3).")
     )
     disable_dropout: bool = field(default=False, metadata=_meta("Set every dropout probability to 0."))
     cast_lm_head_to_fp32: bool = field(default=False, metadata=_meta("Compute the LM head in float32."))

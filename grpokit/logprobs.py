@@ -19,6 +19,7 @@ import torch
 
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
 from .fused_lora import fused_lora
+from .moe.routers import has_routers
 from .prefix import (
     MIN_SHARED_PREFIX,
     accepts_cache,
@@ -170,8 +171,8 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
     if param is None or param.device.type not in SHARE_PROMPTS_ON:
         return False
     base = inner_causal_lm(model)
-    if base is None or getattr(base, "is_activation_checkpointing", False):
-        return False
+    if base is None or getattr(base, "is_activation_checkpointing", False) or has_routers(base):
+        return False  # (a Mixture-of-Experts policy's forwards run whole rows: its routing is recorded and replayed so)
     if model.training:
         cfg = getattr(base, "config", None)
         if getattr(cfg, "attention_dropout", 0.0) or any(

@@ -36,6 +36,7 @@ from .fused_lora import fused_lora
 from .logprobs import completion_logps
 from .metrics import MetricsStore
 from .models import cast_lm_head_to_fp32
+from .moe import MoeRouting
 from .pipeline import GroupRepeatIterable, GroupRepeatSampler
 from .pipeline.producer import AsyncRollouts
 from .reference import ReferenceWeights, check_sync_ref_model, mix_into_reference
@@ -54,7 +55,7 @@ from .trainer_setup import (
     load_policy,
     multiturn_parts,
     no_dispatch,
-    router_aux_loss_coef,
+    route_recording_absent,
     setup_rewards,
     setup_vision,
 )
@@ -149,9 +150,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self.reward_func_names, self.reward_weights = rewards.names, rewards.weights
         self.loss_settings = LossSettings.from_config(args)
         self.entropy_bonus = EntropyBonus(args)
-        self.router_aux_loss_coef = router_aux_loss_coef(model, args)
-        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE router loss is added
         self.rollout = rollout_backend or default_rollout(model, processing_class, args)
+        self.moe = MoeRouting(model, args, no_recording=route_recording_absent(self.rollout, rollout_func, self.multiturn))
+        self.router_aux_loss_coef = self.moe.aux_loss_coef
+        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE router loss is added
         self.metrics_store = MetricsStore()
         self.rollout_buffer = RolloutBuffer(args.steps_per_generation, args.steps_per_generation * args.num_iterations)
         self.pipeline = build_pipeline(model, processing_class, rewards, args, train_dataset, self.multiturn,
@@ -374,6 +376,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             temperature=a.temperature, compute_entropy=True, entropy_grad=bonus.enabled, aux_losses=aux,
             vision=inputs.vision,
         )
+        self.moe.record_metrics(logps, inputs, lambda name, value: self.record_metric(name, value, mode))
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
         scale = LossScale(max_completion_length=a.max_completion_length, num_items_in_batch=inputs.num_items_in_batch,
                           gradient_accumulation_steps=ga,
@@ -425,9 +428,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         return everyone[~torch.isnan(everyone)]
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """TRL's method, for code written against it: True for the valid tokens whose entropy is at least the
-        ``threshold`` quantile of every rank's valid-token entropies (TRL passes ``1 - top_entropy_quantile``).
-        :func:`grpokit.algorithms.high_entropy_mask` with ``top_quantile = 1 - threshold``."""
+        """TRL's method: True for the valid tokens whose entropy is at least the ``threshold`` quantile of every rank's
+        valid-token entropies (TRL passes ``1 - top_entropy_quantile``); ``algorithms.high_entropy_mask``."""
         gather = self._gather_entropies if self.accelerator.num_processes > 1 else None
         return high_entropy_mask(entropies, mask, 1.0 - threshold, gather).bool()
 
@@ -435,9 +437,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
                             sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
                             off_policy_threshold: float) -> torch.Tensor:
-        """TRL's method, for code written against it: the off-policy sequence mask, (B, 1) — 0 for rows with a
-        negative advantage whose mean sampler-to-policy log-ratio exceeds the threshold.
-        :func:`grpokit.algorithms.off_policy_sequence_mask`."""
+        """TRL's method: the off-policy sequence mask, (B, 1) — 0 for rows with a negative advantage whose mean
+        sampler-to-policy log-ratio exceeds the threshold (:func:`grpokit.algorithms.off_policy_sequence_mask`)."""
         return off_policy_sequence_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
                                         off_policy_threshold)
 
@@ -456,7 +457,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         weights as before."""
         model.train()
         inputs = self._prepare_inputs(inputs)
-        with fused_lora(model):
+        with fused_lora(model), self.moe.training_forward(model, inputs):  # MoE: routing replayed, forward and backward
             return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import gather_object
 
 from .logprobs import completion_logps
+from .moe import recorded_forward
 from .process_group import any_process, stop_together
 from .rollout.base import Generation, SamplingParams
 from .sharding import full_weights, sharding_kind, weights_for_generation
@@ -100,6 +101,7 @@ class TrainerDriver:
 
     def _params(self, max_new_tokens: int | None) -> SamplingParams:
         params = sampling_params(self.trainer.args)
+        params.record_routes = self.trainer.moe.records_generation
         if max_new_tokens is not None:
             params.max_new_tokens = max_new_tokens
         return params
@@ -119,11 +121,14 @@ class TrainerDriver:
             self.trainer.rollout.sync_weights(self.policy())
 
     # -- log-probs -------------------------------------------------------------------------------------------------
-    def policy_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None) -> torch.Tensor:
+    def policy_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None,
+                     routes: list | None = None) -> torch.Tensor:
         a = self.trainer.args
-        return completion_logps(self.trainer.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                temperature=a.temperature, compute_entropy=False,
-                                batch_size=a.per_device_train_batch_size, vision=vision)[0]
+        return recorded_forward(
+            self.trainer.moe.routers, routes, prompt_ids.shape[0], prompt_ids.shape[1] + completion_ids.shape[1],
+            lambda: completion_logps(self.trainer.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                     temperature=a.temperature, compute_entropy=False,
+                                     batch_size=a.per_device_train_batch_size, vision=vision)[0])
 
     def reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None) -> torch.Tensor:
         t = self.trainer

@@ -263,20 +263,16 @@ def no_dispatch(args: GRPOConfig) -> bool:
     return False
 
 
-def router_aux_loss_coef(model, args: GRPOConfig) -> float:
-    """The MoE load-balancing loss coefficient, as TRL: ``router_aux_loss_coef``, or the model config's when None;
-    0 (off) for a model that does not return router logits. A coefficient set for a dense model is an error."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = getattr(base, "config", None)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    is_moe = hasattr(text, "output_router_logits")
-    coef = args.router_aux_loss_coef
-    if coef is None:
-        coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
-    elif coef != 0.0 and not is_moe:
-        raise ValueError(f"router_aux_loss_coef={coef!r} is not allowed: {type(base).__name__} is not a "
-                         "Mixture-of-Experts model that returns router logits; leave it None")
-    return float(coef) if is_moe else 0.0
+def route_recording_absent(rollout, rollout_func, multiturn) -> str:
+    """Why the run's sampler cannot record a Mixture-of-Experts policy's experts ("" when it can: grpokit's
+    transformers backend generating every completion in one call)."""
+    from .rollout.transformers_backend import TransformersRollout
+
+    if rollout_func is not None:
+        return "a rollout_func"
+    if multiturn is not None:
+        return "tools or an environment_factory"
+    return "" if isinstance(rollout, TransformersRollout) else f"the {type(rollout).__name__} rollout backend"
 
 
 def multiturn_parts(tools, environment_factory, args: GRPOConfig):

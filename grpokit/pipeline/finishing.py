@@ -25,9 +25,11 @@ class BatchFinisher:
         self.reuses_batches = reuses_batches
 
     def __call__(self, s: ScoredSamples, driver: RolloutDriver, mode: str, stats: RolloutStats,
-                 behaviour_logps: torch.Tensor | None = None) -> RolloutBatch:
+                 behaviour_logps: torch.Tensor | None = None,
+                 behaviour_routes: torch.Tensor | None = None) -> RolloutBatch:
         """Advantages over every process's groups, the loss mask, the log-probs the loss needs (``behaviour_logps``:
-        the generating policy's, when that is not the current one), and the batch's metrics into ``stats``."""
+        the generating policy's, when that is not the current one, and ``behaviour_routes`` the experts its forward
+        used), and the batch's metrics into ``stats``."""
         a, device = self.args, driver.device
         driver.stop_together(s.incidents.stop_cause)  # a stop a user-code timeout asked for: every process, together
         self._reduce_reward_logs(stats, driver)
@@ -46,9 +48,12 @@ class BatchFinisher:
             tool_mask=gen.tool_mask.to(device) if gen.tool_mask is not None else None,
             vision=s.vision.to(device) if s.vision is not None else None,
         )
+        if gen.prompt_routes is not None:  # a Mixture-of-Experts sampler's experts, kept on the CPU
+            batch.sampler_routes = torch.cat([gen.prompt_routes, gen.completion_routes], 1)
         batch.num_items_in_batch = driver.gather(batch.loss_mask.sum().reshape(1)).sum()
         if behaviour_logps is not None:
             batch.old_logps = behaviour_logps.to(device)
+            batch.old_routes = behaviour_routes
         self._add_logps(batch, driver, mode, stats)
         lengths_local = (gen.completion_mask if gen.tool_mask is None else gen.completion_mask * gen.tool_mask).sum(1)
         self._rollout_metrics(stats, driver, mode, rewards, result, lengths_local.to(device), truncated, s.prompt_mask,
@@ -98,7 +103,9 @@ class BatchFinisher:
         with torch.no_grad():
             reused = mode == "train" and self.reuses_batches
             if batch.old_logps is None and (reused or batch.sampler_logps is not None):
-                batch.old_logps = driver.policy_logps(*ids, **images)
+                routes: list | None = [] if a.routing_replay == "old" else None
+                batch.old_logps = driver.policy_logps(*ids, **images, **({} if routes is None else {"routes": routes}))
+                batch.old_routes = routes[0] if routes else None
             if a.beta != 0.0:
                 batch.ref_logps = driver.reference_logps(*ids, **images)
         if batch.sampler_logps is None or batch.old_logps is None:

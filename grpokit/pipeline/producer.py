@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ..logprobs import completion_logps
+from ..moe import find_routers, recorded_forward
 from ..rollout.base import Generation
 from ..watchdog import stage
 from .prompts import BatchRows
@@ -60,6 +61,8 @@ class ProducedBatch:
     """Its :class:`grpokit.rollout.sample.ScoredSamples` (dynamic sampling already applied)."""
     behaviour_logps: torch.Tensor | None
     """(N, C) the generating policy's log-probs of the completion tokens."""
+    behaviour_routes: torch.Tensor | None = None
+    """(N, P + C, L, k) the experts a Mixture-of-Experts policy's forward used for them (``routing_replay="old"``)."""
     stats: RolloutStats = field(default_factory=RolloutStats)
     """What producing it measured; the learner adds what finishing it measures."""
     pipeline_state: dict[str, Any] = field(default_factory=dict)
@@ -278,18 +281,23 @@ class AsyncRollouts:
     # -- producing (in the producer's thread in bounded mode) ---------------------------------------------------------
     def _produce(self, driver: SamplerDriver, k: int, version: int) -> ProducedBatch:
         samples, stats = self.pipeline.sample(self.rows(k), driver)
-        behaviour = samples.generation.sampler_logps
+        behaviour, routes = samples.generation.sampler_logps, None
         if self.sampler is not None:
-            device = driver.device
+            device, gen = driver.device, samples.generation
+            routes = [] if self.args.routing_replay == "old" else None
             with torch.no_grad():
-                behaviour, _ = completion_logps(
-                    self.sampler, samples.prompt_ids.to(device), samples.prompt_mask.to(device),
-                    samples.generation.completion_ids.to(device), samples.generation.completion_mask.to(device),
-                    temperature=self.args.temperature, compute_entropy=False,
-                    batch_size=self.args.per_device_train_batch_size,
-                    vision=samples.vision.to(device) if samples.vision is not None else None)
+                behaviour = recorded_forward(
+                    find_routers(self.sampler) if routes is not None else None, routes, len(samples),
+                    samples.prompt_ids.shape[1] + gen.completion_ids.shape[1],
+                    lambda: completion_logps(
+                        self.sampler, samples.prompt_ids.to(device), samples.prompt_mask.to(device),
+                        gen.completion_ids.to(device), gen.completion_mask.to(device),
+                        temperature=self.args.temperature, compute_entropy=False,
+                        batch_size=self.args.per_device_train_batch_size,
+                        vision=samples.vision.to(device) if samples.vision is not None else None)[0])
         return ProducedBatch(index=k, version=version, samples=samples, behaviour_logps=behaviour, stats=stats,
-                             pipeline_state=copy.deepcopy(self.pipeline.sampling_state_dict()))
+                             pipeline_state=copy.deepcopy(self.pipeline.sampling_state_dict()),
+                             behaviour_routes=routes[0] if routes else None)
 
     # -- the learner taking a batch ---------------------------------------------------------------------------------
     def next_batch(self, version: int, is_main_process: bool) -> ProducedBatch:

@@ -59,10 +59,11 @@ class RolloutPipeline:
         return samples, stats
 
     def finish(self, samples: ScoredSamples, stats: RolloutStats, driver: RolloutDriver, mode: str = "train",
-               behaviour_logps=None) -> tuple[RolloutBatch, RolloutStats]:
+               behaviour_logps=None, behaviour_routes=None) -> tuple[RolloutBatch, RolloutStats]:
         """The finishing stage (the learner's thread): advantages over every process, masks, log-probs, metrics."""
         with stage("finishing"):  # its collectives are where other ranks wait for one stuck in user code (watchdog)
-            return self.finisher(samples, driver, mode, stats, behaviour_logps=behaviour_logps), stats
+            return self.finisher(samples, driver, mode, stats, behaviour_logps=behaviour_logps,
+                                 behaviour_routes=behaviour_routes), stats
 
     def next_batch(self, rows: list[dict], driver: RolloutDriver) -> tuple[RolloutBatch, RolloutStats]:
         """The next training batch: from ``rows`` (the dataloader's generation batch), or, with a producer, the next
@@ -72,7 +73,8 @@ class RolloutPipeline:
             return self.finish(samples, stats, driver)
         produced = self.producer.next_batch(driver.version, driver.process_index == 0)
         self._taken_state = produced.pipeline_state
-        return self.finish(produced.samples, produced.stats, driver, behaviour_logps=produced.behaviour_logps)
+        return self.finish(produced.samples, produced.stats, driver, behaviour_logps=produced.behaviour_logps,
+                           behaviour_routes=produced.behaviour_routes)
 
     def evaluation_batch(self, rows: list[dict], driver: RolloutDriver) -> tuple[RolloutBatch, RolloutStats]:
         samples, stats = self.sample(rows, driver, mode="eval")

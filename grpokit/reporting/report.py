@@ -182,6 +182,30 @@ def _samples_md(title: str, samples: list[dict] | None) -> list[str]:
     return lines
 
 
+MOE_METRICS = (
+    ("moe/rerouted_share", "tokens re-routed, share (mean over layers)"),
+    ("moe/rerouted_any_layer", "tokens re-routed in some layer, share"),
+    ("moe/ratio_std/rerouted", "importance ratio std, re-routed tokens"),
+    ("moe/ratio_std/kept", "importance ratio std, other tokens"),
+    ("moe/load_imbalance", "expert load imbalance (E · max load; 1 = even)"),
+)
+"""The router metrics of a Mixture-of-Experts run (grpokit/moe/training.py), in the report when logged."""
+
+
+def _moe_md(records: list[dict]) -> list[str]:
+    """The router metrics over the run (mean of the logged values) and at its end; nothing for a dense model."""
+    rows = []
+    for key, label in MOE_METRICS:
+        values = [v for v in (to_float(r.get(key)) for r in records) if v is not None]
+        if values:
+            rows.append(f"| {label} | {_fmt(sum(values) / len(values))} | {_fmt(values[-1])} |")
+    if not rows:
+        return []
+    return ["## Mixture-of-Experts routing", "", "Between the sampler's routing (else the old log-probs' forward) "
+            "and the training forward's own router (docs/algorithms.md).", "", "| metric | run mean | last |",
+            "|---|---|---|", *rows, ""]
+
+
 def write_report(output_dir: str | os.PathLike, *, config: dict, eval_before: dict | None,
                  eval_after: dict | None, samples_before: list[dict] | None, samples_after: list[dict] | None,
                  wall_time_s: float, train_time_s: float | None = None, extra: dict | None = None) -> Path:
@@ -231,6 +255,7 @@ def write_report(output_dir: str | os.PathLike, *, config: dict, eval_before: di
         md += ["## Training curves", ""]
         for name in plots:
             md += [f"![]({name})", ""]
+    md += _moe_md(records)
     md += ["## Configuration", "", "| field | value |", "|---|---|"]
     for name, aliases in CONFIG_FIELDS:
         md.append(f"| {name} | {_cfg_fmt(_config_value(config, aliases))} |")

@@ -27,6 +27,9 @@ class SamplingParams:
     lockstep: bool = False
     """Every rank must run the same forwards (training shards the weights and they were not gathered, see
     ``grpokit.sharding``): the transformers backend generates with ``synced_gpus=True`` and no shared prefill."""
+    record_routes: bool = False
+    """A Mixture-of-Experts policy: record the experts its routers choose (:attr:`Generation.prompt_routes`), where
+    the backend can (grpokit's transformers backend)."""
 
 
 @dataclass
@@ -47,6 +50,10 @@ class Generation:
     None when every valid token is the model's."""
     messages: list | None = None
     """Per row, the completion as chat messages (a multi-turn rollout's replies and tool turns); None: decode it."""
+    prompt_routes: torch.Tensor | None = None
+    """(N, P, L, k) a Mixture-of-Experts sampler's experts at each prompt position (``grpokit.moe.recording``), when
+    recorded; :attr:`completion_routes` (N, C, L, k) at each completion position."""
+    completion_routes: torch.Tensor | None = None
 
 
 class RolloutBackend(Protocol):

@@ -74,12 +74,15 @@ def token_chooser(params: SamplingParams, sampler=None) -> Callable[[torch.Tenso
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            eos_ids: list[int], pad_id: int,
            choose: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-           min_new_tokens: int = 0, group: int = 1, share_prompt: bool = True, lean: bool = True) -> torch.Tensor:
+           min_new_tokens: int = 0, group: int = 1, share_prompt: bool = True, lean: bool = True,
+           recorder=None) -> torch.Tensor:
     """Completions (N, T ≤ ``max_new_tokens``) for left-padded prompts, padded with ``pad_id`` after each row's
     end-of-sequence token; ``group``: rows come as groups of that many identical prompts; ``share_prompt``: encode
     what rows share once (a group's prompt, the prefix all prompts begin with), else every row whole; ``lean``: decode
     steps by :func:`grpokit.rollout.llama_decode.llama_step` where it applies (else the model's forward). ``model``:
-    the causal LM (not a PEFT/DDP wrapper; PEFT's LoRA layers are inside it)."""
+    the causal LM (not a PEFT/DDP wrapper; PEFT's LoRA layers are inside it). ``recorder``: a Mixture-of-Experts
+    policy's :class:`grpokit.moe.GenerationRoutes`, told which rows each step runs (the prompts are then prefilled
+    whole, a group's once, without the prefix all of them share)."""
     n, p = prompt_ids.shape
     device = prompt_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
@@ -89,7 +92,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     g = group if share_prompt and group > 1 else 1
     # The model runs on *states*: one per distinct history (a group's prompt, then each distinct way its rows went
     # on). ``owner[i]``: the state of live row ``rows[i]``.
-    cache, mask = _prefill(model, prompt_ids[::g], prompt_mask[::g], share_prompt)
+    cache, mask = _prefill(model, prompt_ids[::g], prompt_mask[::g], share_prompt and recorder is None)
     reserve(cache, max_new_tokens)  # each step writes its position in place instead of copying the cache
     sequences = torch.cat([prompt_ids, out], 1)  # the rows so far, for processors that look back
     rows = torch.arange(n, device=device)  # the rows still running
@@ -99,6 +102,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         lambda ids, mask, positions, cache: model(input_ids=ids, attention_mask=mask, position_ids=positions,
                                                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
     for t in range(max_new_tokens):
+        if recorder is not None:
+            recorder.expect(rows, owner)  # row rows[i] runs in state owner[i]
         logits = step(step_input, mask, position_ids_from_mask(mask)[:, -1:], cache).float()
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")

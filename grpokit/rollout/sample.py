@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..data import is_conversational, prompt_text, tokenize_prompts
+from ..moe.routers import unrecorded_index
 from ..rewards.scoring import score_completions
 from ..user_calls import CallBounds, CallTimeout, Incidents, call
 from ..vision.detection import is_processor
@@ -70,7 +71,8 @@ class ScoredSamples:
         g = self.generation
         gen = Generation(completion_ids=take(g.completion_ids), completion_mask=take(g.completion_mask),
                          is_truncated=take(g.is_truncated), sampler_logps=take(g.sampler_logps),
-                         tool_mask=take(g.tool_mask), messages=pick(g.messages) if g.messages is not None else None)
+                         tool_mask=take(g.tool_mask), messages=pick(g.messages) if g.messages is not None else None,
+                         prompt_routes=take(g.prompt_routes), completion_routes=take(g.completion_routes))
         return ScoredSamples(prompts=pick(self.prompts), prompt_texts=pick(self.prompt_texts),
                              prompt_ids=take(self.prompt_ids), prompt_mask=take(self.prompt_mask), generation=gen,
                              completion_texts=pick(self.completion_texts), completions=pick(self.completions),
@@ -96,10 +98,15 @@ class ScoredSamples:
             tool_mask = _cat_padded([g.tool_mask if g.tool_mask is not None else torch.ones_like(g.completion_mask)
                                      for g in gens], 1, left=False)
         messages = [m for p in parts for m in p.completions] if any(g.messages is not None for g in gens) else None
+        routes = {}
+        if all(g.prompt_routes is not None for g in gens):  # a Mixture-of-Experts sampler's recording, every part
+            unrecorded = unrecorded_index(gens[0].prompt_routes.dtype)
+            routes = {"prompt_routes": _cat_padded([g.prompt_routes for g in gens], unrecorded, left=True),
+                      "completion_routes": _cat_padded([g.completion_routes for g in gens], unrecorded, left=False)}
         gen = Generation(completion_ids=_cat_padded([g.completion_ids for g in gens], pad_id, left=False),
                          completion_mask=_cat_padded([g.completion_mask for g in gens], 0, left=False),
                          is_truncated=torch.cat([g.is_truncated for g in gens]), sampler_logps=sampler,
-                         tool_mask=tool_mask, messages=messages)
+                         tool_mask=tool_mask, messages=messages, **routes)
         columns = {k for p in parts for k in p.extra_columns}
         extra = {k: [x for p in parts for x in p.extra_columns.get(k, [None] * len(p))] for k in columns}
         incidents = Incidents()
@@ -120,9 +127,11 @@ class ScoredSamples:
 
 
 def _cat_padded(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
-    """Concatenate (N_i, W_i) tensors along rows, padding each to the widest on the left or the right."""
+    """Concatenate (N_i, W_i, ...) tensors along rows, padding dimension 1 of each to the widest on the left or the
+    right."""
     width = max(t.shape[1] for t in tensors)
-    padded = [torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+    padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + ((width - t.shape[1], 0) if left
+                                                                   else (0, width - t.shape[1])), value=value)
               for t in tensors]
     return torch.cat(padded)
 

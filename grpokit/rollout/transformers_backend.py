@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
+from ..moe.recording import GenerationRoutes
+from ..moe.routers import find_routers
 from ..prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
 from .decode import decode, decodes, token_chooser
@@ -196,6 +198,8 @@ class TransformersRollout:
                 chunks = self._generate_chunks(model, prompt_ids, prompt_mask, params, config, sampler, vision)
         finally:
             model.train(was_training)
+        routes = [(r, unrecorded) for _, r, unrecorded in chunks if r is not None]
+        chunks = [c for c, _, _ in chunks]
         width = max(c.shape[1] for c in chunks)
         pad = self.tokenizer.pad_token_id
         completion_ids = torch.cat(
@@ -203,7 +207,12 @@ class TransformersRollout:
         )
         mask, truncated = completion_mask_from_eos(completion_ids, config.eos_token_id)
         completion_ids = completion_ids.masked_fill(mask == 0, pad)
-        return Generation(completion_ids=completion_ids, completion_mask=mask, is_truncated=truncated)
+        gen = Generation(completion_ids=completion_ids, completion_mask=mask, is_truncated=truncated)
+        if len(routes) == len(chunks):  # (rows, P + C_chunk, L, k) a chunk: the completions' part padded to C
+            p = prompt_ids.shape[1]
+            gen.prompt_routes = torch.cat([r[:, :p] for r, _ in routes])
+            gen.completion_routes = torch.cat([_pad_positions(r[:, p:], width, u) for r, u in routes])
+        return gen
 
     def _generate_chunks(self, model, prompt_ids, prompt_mask, params: SamplingParams, config, sampler,
                          vision=None) -> list:
@@ -213,22 +222,31 @@ class TransformersRollout:
         share = self.share_prompt_prefill and not params.lockstep and _can_share(model, config, prompt_ids.shape[1])
         loop = self._decode_loop(model, params, sampler, prompt_ids.device) if vision is None else None
         chunks = []
+        routers = find_routers(inner_causal_lm(model) or model) if params.record_routes else None
         for start in range(0, prompt_ids.shape[0], step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
-            if loop is not None:  # the fast path: finished rows leave the batch (grpokit/rollout/decode.py)
-                chunks.append(loop(ids, mask, group_size(ids, mask) if share else 1, share))
-                continue
-            kwargs = {"synced_gpus": params.lockstep}  # explicit: transformers' own test misses accelerate's FSDP2
-            if vision is not None:
-                kwargs.update(vision.select(range(start, start + ids.shape[0])).model_kwargs(ids.shape[1]))
-            g = group_size(ids, mask) if share and len(kwargs) == 1 else 1
-            if g > 1:  # prefill each prompt once, all but its last token: generate then runs that one per row
-                kwargs["cache"], _ = encode_once_per_group(inner_causal_lm(model), ids[:, :-1], mask[:, :-1], g)
-            if sampler is not None:
-                kwargs["logits_processor"] = LogitsProcessorList([sampler])
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
-            chunks.append(out[:, ids.shape[1]:])
+            with _recording(model, routers, ids.shape[0]) as recorder:
+                if loop is not None:  # the fast path: finished rows leave the batch (grpokit/rollout/decode.py)
+                    out = loop(ids, mask, group_size(ids, mask) if share else 1, share, recorder)
+                else:
+                    out = self._generate_chunk(model, ids, mask, start, params, config, sampler, share, vision)
+            routes = recorder.routes(ids.shape[1] + out.shape[1]) if recorder is not None else None
+            chunks.append((out, routes, routers.unrecorded if routers is not None else None))
         return chunks
+
+    def _generate_chunk(self, model, ids, mask, start: int, params: SamplingParams, config, sampler, share: bool,
+                        vision=None) -> torch.Tensor:
+        """One chunk through ``generate``: the completion ids."""
+        kwargs = {"synced_gpus": params.lockstep}  # explicit: transformers' own test misses accelerate's FSDP2
+        if vision is not None:
+            kwargs.update(vision.select(range(start, start + ids.shape[0])).model_kwargs(ids.shape[1]))
+        g = group_size(ids, mask) if share and len(kwargs) == 1 else 1
+        if g > 1:  # prefill each prompt once, all but its last token: generate then runs that one per row
+            kwargs["cache"], _ = encode_once_per_group(inner_causal_lm(model), ids[:, :-1], mask[:, :-1], g)
+        if sampler is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
+        return out[:, ids.shape[1]:]
 
     def _decode_loop(self, model, params: SamplingParams, sampler, device: torch.device):
         """``loop(ids, mask, group, share) -> completion ids`` with :func:`grpokit.rollout.decode.decode` when it
@@ -243,9 +261,9 @@ class TransformersRollout:
         choose = token_chooser(params, sampler if params.do_sample else None)
         eos, pad = stop_token_ids(model, self.tokenizer), self.tokenizer.pad_token_id
         min_new = int(params.extra.get("min_new_tokens") or 0)
-        return lambda ids, mask, group, share: decode(inner, ids, mask, max_new_tokens=params.max_new_tokens,
-                                                      eos_ids=eos, pad_id=pad, choose=choose, min_new_tokens=min_new,
-                                                      group=group, share_prompt=share)
+        return lambda ids, mask, group, share, recorder: decode(
+            inner, ids, mask, max_new_tokens=params.max_new_tokens, eos_ids=eos, pad_id=pad, choose=choose,
+            min_new_tokens=min_new, group=group, share_prompt=share, recorder=recorder)
 
     def sync_weights(self, model: torch.nn.Module) -> None:  # the sampler is the trainer's model itself
         return None
@@ -258,3 +276,19 @@ class TransformersRollout:
         it there)."""
         with decoding_weights(model, self.pack_weights):
             yield
+
+
+def _pad_positions(routes: torch.Tensor, width: int, unrecorded: int) -> torch.Tensor:
+    """(N, W, L, k) routes padded with ``unrecorded`` to ``width`` positions."""
+    return torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, width - routes.shape[1]), value=unrecorded)
+
+
+@contextlib.contextmanager
+def _recording(model: torch.nn.Module, routers, rows: int) -> Iterator[GenerationRoutes | None]:
+    """A Mixture-of-Experts policy's experts recorded while a chunk of ``rows`` rows generates (``routers``: its
+    :class:`grpokit.moe.RouterSet`; None: nothing recorded)."""
+    if routers is None:
+        yield None
+        return
+    with GenerationRoutes(inner_causal_lm(model) or model, routers, rows) as recorder:
+        yield recorder
