@@ -1,12 +1,14 @@
 """Tiny random-weight Mixture-of-Experts models of every family routing replay covers, built in-process (no
-download): two layers, four experts, two a token."""
+download): two layers, four experts, two a token; and a sampler that routes them differently from the trainer."""
 
 from __future__ import annotations
 
 import torch
 import transformers
-
 from tiny import tiny_tokenizer
+
+from grpokit.moe import find_routers
+from grpokit.rollout.transformers_backend import TransformersRollout
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe")
 
@@ -45,3 +47,21 @@ def tiny_moe_model(family: str = "qwen3_moe", tok=None, seed: int = 0) -> transf
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     return model
+
+
+class ShiftedRouters(TransformersRollout):
+    """grpokit's transformers backend generating with every router's weights perturbed (restored after)."""
+
+    def generate(self, model, prompt_ids, prompt_mask, params, **kw):
+        routers = find_routers(model).routers
+        saved = [r.module.weight.detach().clone() for r in routers]
+        noise = torch.Generator().manual_seed(int(prompt_ids.sum()))
+        with torch.no_grad():
+            for r in routers:
+                r.module.weight.add_(0.3 * torch.randn(r.module.weight.shape, generator=noise))
+        try:
+            return super().generate(model, prompt_ids, prompt_mask, params, **kw)
+        finally:
+            with torch.no_grad():
+                for r, w in zip(routers, saved):
+                    r.module.weight.copy_(w)

@@ -6,7 +6,7 @@ the advantages and completions of every generation batch to ``OUT/<loss>-rank<r>
 
     python ddp_worker.py OUT PER_DEVICE GA LOSS[,LOSS...] [--fail-rank R] [--num-generations G]
                          [--shard fsdp2|zero3] [--real-rollout] [--no-gather] [--fake-vllm-server]
-                         [--top-entropy Q] [--lora] [--adamw] [--save-steps] [--resume CHECKPOINT]
+                         [--top-entropy Q] [--lora] [--adamw] [--save-steps] [--resume CHECKPOINT] [--moe]
                          [++ OUT PER_DEVICE GA LOSS[,LOSS...] [flags] ...]
 
 ``++`` separates runs made one after another by the same processes (one launch, ~10 s of imports, for several).
@@ -20,7 +20,9 @@ at different lengths. ``--no-gather``: ``ds3_gather_for_generation=False`` (gene
 ``--fake-vllm-server``: ``use_vllm=True, vllm_mode="server"`` with :class:`FakeServer` in place of TRL's client.
 ``--lora``: a PEFT LoRA adapter (r 4 on q/v, initialised non-zero so merging it for generation changes tokens).
 ``--adamw``: AdamW (lr 0.01) instead of plain SGD, so the optimizer has state to checkpoint. ``--save-steps``: a
-checkpoint after every step. ``--resume CHECKPOINT``: resume from it.
+checkpoint after every step. ``--resume CHECKPOINT``: resume from it. ``--moe``: a tiny Qwen3-MoE policy with
+``routing_replay="rollout"``, sampled with its routers perturbed (``tiny_moe.ShiftedRouters``); each rank counts the
+recorded tokens whose training forward did not use the recorded experts (``moe``: taps, violations, re-routed).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from datasets import Dataset  # noqa: E402
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tiny_moe import ShiftedRouters, tiny_moe_model  # noqa: E402
 
 from grpokit.config import GRPOConfig  # noqa: E402
 from grpokit.process_group import exit_process  # noqa: E402
@@ -106,6 +109,30 @@ class FakeServer:
         self.resets += 1
 
 
+def moe_replay_counts(moe: bool) -> dict | None:
+    """With ``moe``, every training forward's routing tap checked when it closes: how many closed, how many recorded
+    tokens used other experts than recorded (must be 0), how many the router alone would have re-routed."""
+    if not moe:
+        return None
+    import grpokit.moe.training as moe_training
+    from grpokit.moe import RouteTap
+
+    counts = {"taps": 0, "violations": 0, "rerouted": 0}
+
+    class Checked(RouteTap):
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            recorded = (self.forced != 255).all(-1).all(-1)
+            counts["taps"] += 1
+            for layer, used in enumerate(self.used):
+                want = self.forced[recorded, layer].long().sort(-1).values
+                counts["violations"] += int((used[recorded].long().sort(-1).values != want).any(-1).sum())
+            counts["rerouted"] += int(torch.stack(self.differs, 1)[recorded].any(1).sum())
+
+    moe_training.RouteTap = Checked
+    return counts
+
+
 def reward(completions, **kw):
     return [len(set(c[0]["content"])) / 8.0 for c in completions]
 
@@ -158,7 +185,7 @@ def shard_args(shard: str | None) -> dict:
 def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank: int | None = None,
         num_generations: int = 4, shard: str | None = None, real_rollout: bool = False, gather: bool = True,
         fake_server: bool = False, top_entropy: float = 1.0, lora: bool = False, adamw: bool = False,
-        save_steps: bool = False, resume: str | None = None) -> None:
+        save_steps: bool = False, resume: str | None = None, moe: bool = False) -> None:
     tok = tiny_tokenizer()
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i} + {i}"}] for i in range(32)]})
     servers = []
@@ -171,7 +198,8 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
 
         VLLMRollout._make_client = staticmethod(make_client)
     for loss_type in loss_types:
-        model = tiny_model(tok, seed=7)
+        model = tiny_model(tok, seed=7) if not moe else tiny_moe_model("qwen3_moe", tok, seed=7)
+        replay = moe_replay_counts(moe)
         args = GRPOConfig(
             output_dir=os.path.join(out_dir, f"run-{loss_type}"), per_device_train_batch_size=per_device,
             gradient_accumulation_steps=ga, num_generations=num_generations, max_completion_length=COMPLETION_LEN,
@@ -183,6 +211,7 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             ds3_gather_for_generation=gather, temperature=1.0, top_entropy_quantile=top_entropy,
             generation_kwargs={"eos_token_id": STOP_IDS} if real_rollout else None, **shard_args(shard),
             **(dict(use_vllm=True, vllm_mode="server") if fake_server else {}),
+            **(dict(routing_replay="rollout") if moe else {}),
         )
         rewards = [reward if fail_rank is None else failing_reward(fail_rank)]
         peft_config = None
@@ -191,7 +220,8 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
 
             peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
         trainer = CpuFSDPTrainer(model, rewards, args=args, train_dataset=ds, processing_class=tok,
-                                 rollout_backend=None if real_rollout or fake_server else GlobalRowRollout(tok),
+                                 rollout_backend=ShiftedRouters(tok) if moe else None if real_rollout or fake_server
+                                 else GlobalRowRollout(tok),
                                  peft_config=peft_config)
         advantages, completions = [], []
 
@@ -223,6 +253,7 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             "completions": completions,
             "advantages": advantages,
             "logs": trainer.state.log_history,
+            "moe": replay,
         }, os.path.join(out_dir, f"{loss_type}-rank{rank}.pt"))
 
 
@@ -238,7 +269,7 @@ def parse(argv: list[str]) -> dict:
             kw[name] = kind(argv[i + 1])
             argv = argv[:i] + argv[i + 2:]
     switches = {"--real-rollout": "real_rollout", "--fake-vllm-server": "fake_server", "--lora": "lora",
-                "--adamw": "adamw", "--save-steps": "save_steps"}
+                "--adamw": "adamw", "--save-steps": "save_steps", "--moe": "moe"}
     kw.update({name: flag in argv for flag, name in switches.items()})
     kw["gather"] = "--no-gather" not in argv
     argv = [a for a in argv if a not in switches and a != "--no-gather"]

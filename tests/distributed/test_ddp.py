@@ -18,10 +18,12 @@ def runs(tmp_path_factory, one_rank):
     """One launch of two ranks making, one after another: 4 rows each for three losses (against one rank × 4 rows ×
     GA 2, the same 8-row generation batches); 2 rows each with G = 4, every group split across the ranks (against
     one rank × 2 rows × GA 2); 4 rows each with ``top_entropy_quantile`` 0.3 (against one rank × 8 rows). The
-    one-rank references come from the ``one_rank`` fixture."""
+    one-rank references come from the ``one_rank`` fixture. And a tiny Mixture-of-Experts policy with routing replay
+    on both ranks."""
     root = tmp_path_factory.mktemp("ddp")
     torchrun_several([(root / "two", ["4", "1", ",".join(LOSSES)]), (root / "split2", ["2", "1", "dapo"]),
-                      (root / "top-entropy", ["4", "1", "dapo", "--top-entropy", "0.3"])])
+                      (root / "top-entropy", ["4", "1", "dapo", "--top-entropy", "0.3"]),
+                      (root / "moe", ["4", "1", "dapo", "--moe"])])
     (root / "one").symlink_to(one_rank)
     (root / "split1").symlink_to(one_rank / "split")
     return root
@@ -85,3 +87,14 @@ def test_entropy_mask_threshold_is_the_whole_batch_quantile(runs):
         two = load(runs / "top-entropy" / f"dapo-rank{rank}.pt")
         for name, p in one["params"].items():
             torch.testing.assert_close(two["params"][name], p, atol=1e-5, rtol=1e-4)
+
+
+def test_routing_replay_on_two_ranks(runs):
+    """Each rank forces the experts its own sampler recorded for its own rows (none differs, though the router alone
+    would have re-routed some), the router metrics are logged, and DDP keeps the weights equal on both ranks."""
+    ranks = [load(runs / "moe" / f"dapo-rank{r}.pt") for r in (0, 1)]
+    for rank in ranks:
+        assert rank["moe"]["taps"] == 2 and rank["moe"]["violations"] == 0 and rank["moe"]["rerouted"] > 0
+        assert all("moe/rerouted_share" in h for h in rank["logs"] if "reward" in h)
+    for name, p in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][name], p, atol=0, rtol=0)

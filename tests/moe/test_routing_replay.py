@@ -1,7 +1,7 @@
 """Routing replay through ``GRPOTrainer`` on tiny random Mixture-of-Experts models of every family it covers.
 
-The sampler here routes differently from the trainer on purpose (:class:`ShiftedRouters`: generation runs with every
-router's weights perturbed, as a lower-precision engine's routing drifts), so a replay that did not happen would show:
+The sampler here routes differently from the trainer on purpose (``tiny_moe.ShiftedRouters``: generation runs with
+every router's weights perturbed, as a lower-precision engine's routing drifts), so a replay that did not happen would show:
 with ``routing_replay="rollout"`` every recorded token of the training forward uses exactly the recorded experts, and
 with ``"none"`` some do not."""
 
@@ -13,30 +13,11 @@ import pytest
 import torch
 from runs import chat_dataset, make_args, params_of, train_logs, varied_reward
 from tiny import tiny_model, tiny_tokenizer
-from tiny_moe import FAMILIES, tiny_moe_model
+from tiny_moe import FAMILIES, ShiftedRouters, tiny_moe_model
 
 import grpokit.moe.training as moe_training
-from grpokit.moe import RouteTap, find_routers
-from grpokit.rollout.transformers_backend import TransformersRollout
+from grpokit.moe import RouteTap
 from grpokit.trainer import GRPOTrainer
-
-
-class ShiftedRouters(TransformersRollout):
-    """grpokit's transformers backend generating with every router's weights perturbed (restored after)."""
-
-    def generate(self, model, prompt_ids, prompt_mask, params, **kw):
-        routers = find_routers(model).routers
-        saved = [r.module.weight.detach().clone() for r in routers]
-        noise = torch.Generator().manual_seed(int(prompt_ids.sum()))
-        with torch.no_grad():
-            for r in routers:
-                r.module.weight.add_(0.3 * torch.randn(r.module.weight.shape, generator=noise))
-        try:
-            return super().generate(model, prompt_ids, prompt_mask, params, **kw)
-        finally:
-            with torch.no_grad():
-                for r, w in zip(routers, saved):
-                    r.module.weight.copy_(w)
 
 
 @pytest.fixture
