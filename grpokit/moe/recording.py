@@ -29,8 +29,9 @@ class RouteTap(contextlib.AbstractContextManager):
     ``forced`` (N, T, L, k): the experts each token of the forward must use (a recording; unrecorded slots route
     naturally). ``reference`` (N, T, L, k): a recording to compare the router's own choice with (the metrics).
     ``record``: keep the experts every call used (:meth:`recorded`). The forced and reference tensors must match the
-    forward's tokens row for row (one forward over ``N`` rows of ``T`` positions, or a recomputation of it: gradient
-    checkpointing runs the routers again in the backward, the tap forces the same experts there)."""
+    forwards' tokens row for row: each call of a router takes the next rows of them (a pass in row chunks), and
+    after the last rows it starts over (gradient checkpointing recomputes the forward in the backward: the same
+    experts are forced there)."""
 
     def __init__(self, routers: RouterSet, *, forced: torch.Tensor | None = None,
                  reference: torch.Tensor | None = None, record: bool = False):
@@ -42,6 +43,7 @@ class RouteTap(contextlib.AbstractContextManager):
         """Per layer, the experts the first forward used (N·T, k), for the metrics."""
         self.differs: list[torch.Tensor | None] = [None] * routers.layers
         """Per layer, (N·T,) where the router's own choice differs from ``reference`` (first forward)."""
+        self._cursor = {"forced": [0] * routers.layers, "reference": [0] * routers.layers}
         self._handles: list = []
 
     def __enter__(self) -> RouteTap:
@@ -58,9 +60,9 @@ class RouteTap(contextlib.AbstractContextManager):
         def hook(module, args, output):
             logits, weights, experts = output
             if self.reference is not None and self.differs[layer] is None:
-                self.differs[layer] = rerouted(experts, _matching(self.reference[:, layer], experts, layer, "reference"))
+                self.differs[layer] = rerouted(experts, self._next(self.reference, layer, experts, "reference"))
             if self.forced is not None:
-                forced = _matching(self.forced[:, layer], experts, layer, "forced routes").long()
+                forced = self._next(self.forced, layer, experts, "forced").long()
                 keep = (forced == self.routers.unrecorded).any(-1, keepdim=True)
                 experts = torch.where(keep, experts, forced.to(experts.dtype))
                 weights = replayed_gate_weights(logits, experts, rule, dtype=weights.dtype)
@@ -71,6 +73,16 @@ class RouteTap(contextlib.AbstractContextManager):
                 self.calls[layer].append(experts.detach().to(self.routers.dtype))
             return output
         return hook
+
+    def _next(self, routes: torch.Tensor, layer: int, experts: torch.Tensor, what: str) -> torch.Tensor:
+        """The rows of ``routes`` this call of router ``layer`` routes: the next ones after the previous call's."""
+        cursors = self._cursor[what]
+        start, tokens = cursors[layer], experts.shape[0]
+        if start + tokens > routes.shape[0]:
+            raise RuntimeError(f"routing replay: router {layer} got {tokens} tokens, the {what} routes hold "
+                               f"{routes.shape[0] - start} more: the forward is not laid out as the batch's rows")
+        cursors[layer] = (start + tokens) % routes.shape[0]
+        return routes[start:start + tokens, layer].to(experts.device)
 
     def recorded(self, rows: int, positions: int) -> torch.Tensor:
         """(rows, positions, L, k) the experts every recorded call used, the calls in order (row chunks of one
@@ -84,27 +96,22 @@ class RouteTap(contextlib.AbstractContextManager):
         return torch.stack(layers, 1).view(rows, positions, self.routers.layers, self.routers.top_k)
 
 
-def recorded_forward(routers: RouterSet | None, routes: list | None, rows: int, positions: int,
-                     forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``forward()`` (a log-probs pass over ``rows`` whole rows of ``positions`` positions), the experts it used
-    appended to ``routes`` (N, T, L, k) when ``routes`` is a list and the model has ``routers``."""
-    if routes is None or routers is None:
+def recorded_forward(routers: RouterSet | None, rows: int, positions: int, forward: Callable[[], torch.Tensor], *,
+                     record: list | None = None, force: torch.Tensor | None = None) -> torch.Tensor:
+    """``forward()`` (a log-probs pass over ``rows`` whole rows of ``positions`` positions) for a model with
+    ``routers``: the experts ``force`` (N, T, L, k) holds forced, and the experts it used appended to ``record`` (a
+    list) as (N, T, L, k)."""
+    if routers is None or (record is None and force is None):
         return forward()
-    with RouteTap(routers, record=True) as tap:
+    with RouteTap(routers, record=record is not None, forced=force) as tap:
         out = forward()
-    routes.append(tap.recorded(rows, positions))
+    if record is not None:
+        record.append(tap.recorded(rows, positions))
     return out
 
 
 def _flat(routes: torch.Tensor | None) -> torch.Tensor | None:
     return None if routes is None else routes.reshape(-1, routes.shape[-2], routes.shape[-1])
-
-
-def _matching(routes: torch.Tensor, experts: torch.Tensor, layer: int, what: str) -> torch.Tensor:
-    if routes.shape[0] != experts.shape[0]:
-        raise RuntimeError(f"routing replay: router {layer} got {experts.shape[0]} tokens, the {what} hold "
-                           f"{routes.shape[0]}: the forward is not laid out as the batch's rows")
-    return routes.to(experts.device)
 
 
 class GenerationRoutes(contextlib.AbstractContextManager):

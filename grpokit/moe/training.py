@@ -6,7 +6,9 @@ routing replay (``routing_replay``) and the router metrics. docs/algorithms.md, 
 - ``"old"`` (R2): the experts the old log-probs' forward used (the batch reused across optimizer steps, a sampler that
   is not the trainer, or the asynchronous producer's behaviour pass) are forced in the training forward. A batch
   trained exactly on-policy has no old pass: its training forward is that pass.
-- ``"rollout"`` (R3): the experts chosen while generating are forced in the training forward.
+- ``"rollout"`` (R3): the experts chosen while generating are forced in the training forward, and in the old
+  log-probs' forward where there is one (as verl does), so the policy ratio ``π_θ / π_old`` compares two forwards
+  that route alike.
 
 Forced experts get their gate weights from the current router (``grpokit.algorithms.routing.replayed_gate_weights``),
 so the router keeps learning.
@@ -102,9 +104,10 @@ class MoeRouting:
         - ``moe/rerouted_share`` (and ``.../layer_<i>``): the share of those tokens whose top-k expert set under the
           training forward's own router differs from the sampler's recording (else the old pass's), averaged over the
           layers; ``moe/rerouted_any_layer``: the share that differs in at least one layer;
-        - ``moe/ratio_std/rerouted`` and ``moe/ratio_std/kept``: the spread (std) of the importance ratio
-          ``π_θ / π_behaviour`` (the sampler's log-probs, else the old ones) over tokens re-routed in some layer and
-          over the others;
+        - ``moe/ratio_std/rerouted`` and ``moe/ratio_std/kept``: the spread (std) of the training/inference ratio
+          ``π_θ / π_sampler`` (a sampler that reports its log-probs) over tokens re-routed in some layer and over the
+          others; ``moe/policy_ratio_std/...`` the same of the policy ratio ``π_θ / π_old`` (where old log-probs
+          are computed);
         - ``moe/load_imbalance``: ``E · max_e load_e`` of the experts the forward used, averaged over the layers."""
         tap = self._tap
         if tap is None or tap.used[0] is None:
@@ -125,12 +128,12 @@ class MoeRouting:
         record("moe/rerouted_any_layer", differs.any(1).float().mean())
         for layer in range(r.layers):
             record(f"moe/rerouted_share/layer_{layer:02d}", differs[:, layer].float().mean())
-        behaviour = batch.sampler_logps if batch.sampler_logps is not None else batch.old_logps
-        if behaviour is None:
-            return
-        log_ratio = (logps.detach() - behaviour)[valid].cpu()
         any_layer = differs.any(1)
-        for name, where in (("rerouted", any_layer), ("kept", ~any_layer)):
-            spread = ratio_std(log_ratio, where)
-            if not torch.isnan(spread):
-                record(f"moe/ratio_std/{name}", spread)
+        for prefix, behaviour in (("moe/ratio_std", batch.sampler_logps), ("moe/policy_ratio_std", batch.old_logps)):
+            if behaviour is None:
+                continue
+            log_ratio = (logps.detach() - behaviour)[valid].cpu()
+            for name, where in (("rerouted", any_layer), ("kept", ~any_layer)):
+                spread = ratio_std(log_ratio, where)
+                if not torch.isnan(spread):
+                    record(f"{prefix}/{name}", spread)

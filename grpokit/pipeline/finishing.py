@@ -103,9 +103,9 @@ class BatchFinisher:
         with torch.no_grad():
             reused = mode == "train" and self.reuses_batches
             if batch.old_logps is None and (reused or batch.sampler_logps is not None):
-                routes: list | None = [] if a.routing_replay == "old" else None
-                batch.old_logps = driver.policy_logps(*ids, **images, **({} if routes is None else {"routes": routes}))
-                batch.old_routes = routes[0] if routes else None
+                routing, recorded = self._routing(batch)
+                batch.old_logps = driver.policy_logps(*ids, **images, **routing)
+                batch.old_routes = recorded[0] if recorded else None
             if a.beta != 0.0:
                 batch.ref_logps = driver.reference_logps(*ids, **images)
         if batch.sampler_logps is None or batch.old_logps is None:
@@ -127,6 +127,18 @@ class BatchFinisher:
             for stat in ("min", "mean", "max"):
                 stats.add(f"sampling/importance_sampling_ratio/{stat}", getattr(rho, stat)() if rho.numel()
                           else rho.new_zeros(()))
+
+    def _routing(self, batch: RolloutBatch) -> tuple[dict, list]:
+        """What the old log-probs' forward of a Mixture-of-Experts policy does with its routing — records it into the
+        list returned (``routing_replay="old"``: the training forward replays it), or forces the sampler's experts
+        (``"rollout"``: old and training forward route alike, so the policy ratio measures the update and not a
+        routing flip) — as ``policy_logps``'s keyword arguments."""
+        recorded: list = []
+        if self.args.routing_replay == "old":
+            return {"record_routes": recorded}, recorded
+        if self.args.routing_replay == "rollout" and batch.sampler_routes is not None:
+            return {"force_routes": batch.sampler_routes}, recorded
+        return {}, recorded
 
     def _rollout_metrics(self, stats: RolloutStats, driver: RolloutDriver, mode: str, rewards, result, lengths_local,
                          truncated, prompt_mask, completion_mask) -> None:

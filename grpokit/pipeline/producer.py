@@ -284,17 +284,21 @@ class AsyncRollouts:
         behaviour, routes = samples.generation.sampler_logps, None
         if self.sampler is not None:
             device, gen = driver.device, samples.generation
-            routes = [] if self.args.routing_replay == "old" else None
-            with torch.no_grad():
+            replay = self.args.routing_replay
+            routes = [] if replay == "old" else None
+            force = torch.cat([gen.prompt_routes, gen.completion_routes], 1) \
+                if replay == "rollout" and gen.prompt_routes is not None else None
+            with torch.no_grad():  # a Mixture-of-Experts behaviour pass routes as the loss's forward will
                 behaviour = recorded_forward(
-                    find_routers(self.sampler) if routes is not None else None, routes, len(samples),
+                    find_routers(self.sampler) if replay != "none" else None, len(samples),
                     samples.prompt_ids.shape[1] + gen.completion_ids.shape[1],
                     lambda: completion_logps(
                         self.sampler, samples.prompt_ids.to(device), samples.prompt_mask.to(device),
                         gen.completion_ids.to(device), gen.completion_mask.to(device),
                         temperature=self.args.temperature, compute_entropy=False,
                         batch_size=self.args.per_device_train_batch_size,
-                        vision=samples.vision.to(device) if samples.vision is not None else None)[0])
+                        vision=samples.vision.to(device) if samples.vision is not None else None)[0],
+                    record=routes, force=force)
         return ProducedBatch(index=k, version=version, samples=samples, behaviour_logps=behaviour, stats=stats,
                              pipeline_state=copy.deepcopy(self.pipeline.sampling_state_dict()),
                              behaviour_routes=routes[0] if routes else None)

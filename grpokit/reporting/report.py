@@ -185,8 +185,10 @@ def _samples_md(title: str, samples: list[dict] | None) -> list[str]:
 MOE_METRICS = (
     ("moe/rerouted_share", "tokens re-routed, share (mean over layers)"),
     ("moe/rerouted_any_layer", "tokens re-routed in some layer, share"),
-    ("moe/ratio_std/rerouted", "importance ratio std, re-routed tokens"),
-    ("moe/ratio_std/kept", "importance ratio std, other tokens"),
+    ("moe/ratio_std/rerouted", "training/inference ratio (π_θ / π_sampler) std, re-routed tokens"),
+    ("moe/ratio_std/kept", "training/inference ratio std, other tokens"),
+    ("moe/policy_ratio_std/rerouted", "policy ratio (π_θ / π_old) std, re-routed tokens"),
+    ("moe/policy_ratio_std/kept", "policy ratio (π_θ / π_old) std, other tokens"),
     ("moe/load_imbalance", "expert load imbalance (E · max load; 1 = even)"),
 )
 """The router metrics of a Mixture-of-Experts run (grpokit/moe/training.py), in the report when logged."""

@@ -110,8 +110,9 @@ def test_generation_records_the_experts_a_whole_row_forward_chooses(family, deco
     routes = torch.cat([gen.prompt_routes, gen.completion_routes], 1)
     whole: list = []
     with torch.no_grad():
-        recorded_forward(find_routers(model), whole, ids.shape[0], routes.shape[1],
-                         lambda: completion_logps(model, ids, mask, gen.completion_ids, gen.completion_mask)[0])
+        recorded_forward(find_routers(model), ids.shape[0], routes.shape[1],
+                         lambda: completion_logps(model, ids, mask, gen.completion_ids, gen.completion_mask)[0],
+                         record=whole)
     valid = torch.cat([mask, gen.completion_mask], 1).bool()
     recorded = (routes != 255).all(-1).all(-1)
     last = valid.shape[1] - 1 - valid.flip(1).long().argmax(1)  # each row's last token

@@ -164,3 +164,22 @@ def test_rollout_replay_needs_a_sampler_that_records(tmp_path):
         GRPOTrainer(tiny_moe_model("qwen3_moe", tok), varied_reward,
                     args=make_args(tmp_path, routing_replay="rollout"), train_dataset=chat_dataset(),
                     processing_class=tok, rollout_func=rollout_func)
+
+
+def test_routing_replay_is_a_yaml_key_with_its_choices():
+    from grpokit.config import GRPOConfig
+    from grpokit.job_spec import split_spec
+
+    assert split_spec({"model": "m", "task": "word_count", "routing_replay": "rollout"})[1] == {"routing_replay": "rollout"}
+    with pytest.raises(ValueError, match=r"^routing_replay='R3' is not allowed: use one of 'none', 'old', 'rollout'$"):
+        GRPOConfig(output_dir="unused", routing_replay="R3")
+
+
+def test_rollout_replay_routes_the_old_pass_alike(tmp_path):
+    """With a batch reused across optimizer steps, the old log-probs' forward forces the sampler's experts too: on
+    the first step of a batch the policy ratio is exactly 1 on every token, re-routed ones included (left to its own
+    router, the old pass would route those tokens otherwise and their ratio would not be 1)."""
+    trainer = train(tmp_path, steps_per_generation=2, max_steps=4)
+    fresh = [h for h in trainer.state.log_history if "reward" in h]  # the steps that sampled a batch
+    assert len(fresh) == 2
+    assert all(h["moe/rerouted_any_layer"] > 0 and h["moe/policy_ratio_std/rerouted"] < 1e-6 for h in fresh)
