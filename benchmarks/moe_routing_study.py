@@ -230,6 +230,38 @@ def overhead(args) -> None:
     for replay in REPLAYS:
         med = statistics.median(times[replay])
         print(f"routing_replay={replay}: {med:.3f} s a step (median of {len(times[replay])}), {med / base:.3f}x none")
+    _recording_overhead(args.rounds * 5)
+
+
+def _recording_overhead(repeats: int) -> None:
+    """What recording the experts costs a generation call (on in every MoE run): 64 rows (16 prompts × 4) of 32
+    tokens with grpokit's decode loop, float32, recording on and off in turn."""
+    _imports()
+    import torch
+    from tiny import tiny_tokenizer
+
+    from grpokit.rollout.base import SamplingParams
+    from grpokit.rollout.transformers_backend import TransformersRollout
+    from grpokit.tasks import get_task
+
+    tok = tiny_tokenizer()
+    model = tiny_moe(tok, 0).eval()
+    prompts = [tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+               for row in get_task("word_count", seed=0).train_dataset.select(range(16))]
+    enc = tok([p for p in prompts for _ in range(4)], return_tensors="pt", padding=True)
+    backend = TransformersRollout(tok)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(repeats + 1):
+        for record in (False, True):
+            torch.manual_seed(i)
+            start = time.perf_counter()
+            backend.generate(model, enc["input_ids"], enc["attention_mask"],
+                             SamplingParams(max_new_tokens=32, min_p=None, record_routes=record,
+                                            extra={"min_new_tokens": 32}))
+            if i:  # the first round warms up
+                times[record].append(time.perf_counter() - start)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    print(f"generation, 64 rows x 32 tokens: {off:.3f} s without recording, {on:.3f} s with ({on / off:.3f}x)")
 
 
 def main() -> None:

@@ -272,6 +272,8 @@ def route_recording_absent(rollout, rollout_func, multiturn) -> str:
         return "a rollout_func"
     if multiturn is not None:
         return "tools or an environment_factory"
+    if type(rollout).__name__ == "VLLMRollout":  # vLLM can (enable_return_routed_experts); grpokit's client does not ask
+        return "use_vllm=True (grpokit does not ask vLLM for the experts it routes to yet)"
     return "" if isinstance(rollout, TransformersRollout) else f"the {type(rollout).__name__} rollout backend"
 
 

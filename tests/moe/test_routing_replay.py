@@ -183,3 +183,35 @@ def test_rollout_replay_routes_the_old_pass_alike(tmp_path):
     fresh = [h for h in trainer.state.log_history if "reward" in h]  # the steps that sampled a batch
     assert len(fresh) == 2
     assert all(h["moe/rerouted_any_layer"] > 0 and h["moe/policy_ratio_std/rerouted"] < 1e-6 for h in fresh)
+
+
+def test_rollout_replay_with_vllm_is_refused_in_one_line(tmp_path, monkeypatch):
+    from grpokit.rollout.vllm_backend import VLLMRollout
+
+    monkeypatch.setattr(VLLMRollout, "_make_client", staticmethod(lambda args: object()))
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"^routing_replay='rollout' is not allowed with use_vllm=True \(grpokit does "
+                                         r"not ask vLLM for the experts it routes to yet\): .*use routing_replay='old'$"):
+        GRPOTrainer(tiny_moe_model("qwen3_moe", tok), varied_reward,
+                    args=make_args(tmp_path, routing_replay="rollout", use_vllm=True, vllm_mode="server"),
+                    train_dataset=chat_dataset(), processing_class=tok)
+
+
+def test_a_family_whose_gate_is_not_recognised(tmp_path):
+    """DeepSeek-V3's router (group-limited top-k with a score bias) is not one grpokit can replay: refused by name with
+    ``routing_replay`` set; without it the run is made, with no router metrics."""
+    import transformers
+
+    tok = tiny_tokenizer()
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=128, eos_token_id=tok.eos_token_id)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate \(DeepseekV3TopkRouter\) is a Mixture-of-"
+                                         r"Experts router whose gate grpokit does not recognise"):
+        GRPOTrainer(transformers.AutoModelForCausalLM.from_config(cfg), varied_reward,
+                    args=make_args(tmp_path, routing_replay="old"), train_dataset=chat_dataset(), processing_class=tok)
+    plain = GRPOTrainer(transformers.AutoModelForCausalLM.from_config(cfg), varied_reward,
+                        args=make_args(tmp_path), train_dataset=chat_dataset(), processing_class=tok)
+    assert plain.moe.routers is None and not plain.moe.records_generation
