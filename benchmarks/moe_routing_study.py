@@ -33,8 +33,10 @@ RUNS = ROOT / "runs" / "moe_routing"
 ALGOS = {"grpo": dict(loss_type="grpo", importance_sampling_level="token"),
          "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)}
 REPLAYS = ("none", "old", "rollout")
-KEYS = ("reward", "moe/rerouted_share", "moe/rerouted_any_layer", "moe/ratio_std/rerouted", "moe/ratio_std/kept",
-        "moe/load_imbalance", "sampling/sampling_logp_difference/mean", "clip_ratio/region_mean", "step_time")
+ROUTING_KEYS = ("moe/rerouted_share", "moe/rerouted_any_layer", "moe/ratio_std/rerouted", "moe/ratio_std/kept",
+                "moe/policy_ratio_std/rerouted", "moe/policy_ratio_std/kept")
+KEYS = ("reward", *ROUTING_KEYS, "moe/load_imbalance", "sampling/sampling_logp_difference/mean", "clip_ratio/region_mean",
+        "step_time")
 
 
 def _imports():
@@ -159,8 +161,7 @@ def summarize(args) -> None:
                 rewards = [v for v in r["reward"] if v is not None]
                 add = {"first": _mean(rewards[:5]), "last": _mean(rewards[-10:])}
                 for phase, first in (("fresh", True), ("reused", False)):
-                    for key in ("moe/rerouted_share", "moe/rerouted_any_layer", "moe/ratio_std/rerouted",
-                                "moe/ratio_std/kept"):
+                    for key in ROUTING_KEYS:
                         add[f"{phase} {key}"] = _mean(_phase(r[key], sampled, first))
                 for key, value in add.items():
                     stats.setdefault(key, []).append(value)
@@ -179,13 +180,11 @@ def summarize(args) -> None:
     for phase, title in (("fresh", "steps on a fresh batch (sampler = trainer's weights in bf16)"),
                          ("reused", "steps reusing the batch (one optimizer step later)")):
         print(f"\nRouting, {title}:\n")
-        print("| algorithm | replay | re-routed share (mean of layers) | re-routed in some layer | ratio std, "
-              "re-routed tokens | ratio std, other tokens |")
-        print("|---|---|---|---|---|---|")
-        for algo, replay, n, st in rows:
-            print(f"| {algo} | {replay} | " + " | ".join(cell(st[f"{phase} {k}"]) for k in (
-                "moe/rerouted_share", "moe/rerouted_any_layer", "moe/ratio_std/rerouted", "moe/ratio_std/kept"))
-                  + " |")
+        print("| algorithm | replay | re-routed share (mean of layers) | re-routed in some layer | π_θ/π_sampler "
+              "std, re-routed | π_θ/π_sampler std, other | π_θ/π_old std, re-routed | π_θ/π_old std, other |")
+        print("|---|---|---|---|---|---|---|---|")
+        for algo, replay, _, st in rows:
+            print(f"| {algo} | {replay} | " + " | ".join(cell(st[f"{phase} {k}"]) for k in ROUTING_KEYS) + " |")
     if curves:
         _plot(curves, ROOT / "docs" / "moe_routing.png")
 

@@ -23,6 +23,7 @@ import torch
 
 from ..algorithms.routing import load_imbalance, ratio_std
 from ..config import ROUTING_REPLAY_MODES
+from ..sharding import sharding_kind
 from .recording import RouteTap
 from .routers import RouterSet, find_routers, has_routers
 
@@ -87,6 +88,12 @@ class MoeRouting:
         if self.routers is None:
             yield
             return
+        if self.mode != "none" and sharding_kind(model) is not None:
+            raise ValueError(f"routing_replay={self.mode!r} is not allowed with {sharding_kind(model)} sharded weights "
+                             "yet: train with DDP or on one process, or leave it 'none'")
+        if self.mode == "rollout" and batch.sampler_routes is None:
+            raise RuntimeError("routing_replay='rollout': this batch holds no recording of the sampler's experts (its "
+                               "generation did not record them); nothing would be replayed")
         forced = {"old": batch.old_routes, "rollout": batch.sampler_routes}.get(self.mode)
         reference = batch.sampler_routes if batch.sampler_routes is not None else batch.old_routes
         self._tap = RouteTap(self.routers, forced=forced, reference=reference)

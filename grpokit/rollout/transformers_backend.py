@@ -222,7 +222,7 @@ class TransformersRollout:
         share = self.share_prompt_prefill and not params.lockstep and _can_share(model, config, prompt_ids.shape[1])
         loop = self._decode_loop(model, params, sampler, prompt_ids.device) if vision is None else None
         chunks = []
-        routers = find_routers(inner_causal_lm(model) or model) if params.record_routes else None
+        routers = _routers(model) if params.record_routes and not params.lockstep else None
         for start in range(0, prompt_ids.shape[0], step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
             with _recording(model, routers, ids.shape[0]) as recorder:
@@ -281,6 +281,15 @@ class TransformersRollout:
 def _pad_positions(routes: torch.Tensor, width: int, unrecorded: int) -> torch.Tensor:
     """(N, W, L, k) routes padded with ``unrecorded`` to ``width`` positions."""
     return torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, width - routes.shape[1]), value=unrecorded)
+
+
+def _routers(model: torch.nn.Module):
+    """The Mixture-of-Experts policy's routers to record while generating; None where they cannot be read (a router
+    whose weights are not whole here)."""
+    try:
+        return find_routers(inner_causal_lm(model) or model)
+    except ValueError:
+        return None
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from tiny_moe import FAMILIES, ShiftedRouters, tiny_moe_model
 
 import grpokit.moe.training as moe_training
 from grpokit.moe import RouteTap
+from grpokit.rollout.transformers_backend import TransformersRollout
 from grpokit.trainer import GRPOTrainer
 
 
@@ -215,3 +216,19 @@ def test_a_family_whose_gate_is_not_recognised(tmp_path):
     plain = GRPOTrainer(transformers.AutoModelForCausalLM.from_config(cfg), varied_reward,
                         args=make_args(tmp_path), train_dataset=chat_dataset(), processing_class=tok)
     assert plain.moe.routers is None and not plain.moe.records_generation
+
+
+def test_a_batch_without_the_samplers_recording_is_an_error_not_a_silent_skip(tmp_path):
+    class Forgetful(TransformersRollout):
+        def generate(self, *a, **kw):
+            gen = super().generate(*a, **kw)
+            gen.prompt_routes = gen.completion_routes = None
+            return gen
+
+    tok = tiny_tokenizer()
+    trainer = GRPOTrainer(tiny_moe_model("qwen3_moe", tok), varied_reward,
+                          args=make_args(tmp_path, routing_replay="rollout"), train_dataset=chat_dataset(),
+                          processing_class=tok, rollout_backend=Forgetful(tok))
+    with pytest.raises(RuntimeError, match="routing_replay='rollout': this batch holds no recording of the sampler's "
+                                           "experts"):
+        trainer.train()
