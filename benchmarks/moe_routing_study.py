@@ -12,7 +12,7 @@ rollout, three seeds.
 
     python benchmarks/moe_routing_study.py run --steps 40 --seeds 0 1 2   # resumable: finished runs are skipped
     python benchmarks/moe_routing_study.py summarize                      # the table; plot: docs/moe_routing.png
-    python benchmarks/moe_routing_study.py overhead --steps 12            # step time, none/old/rollout, side by side
+    python benchmarks/moe_routing_study.py overhead --rounds 10           # what replay and recording cost, side by side
 
 Results: runs/moe_routing/<algo>-<replay>-seed<seed>/metrics.json (one dict of lists per run).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -117,6 +118,8 @@ def train_one(algo: str, replay: str, seed: int, steps: int, out: Path) -> dict:
     trainer = GRPOTrainer(tiny_moe(tok, seed), task.reward_funcs, args=args, train_dataset=task.train_dataset,
                           processing_class=tok, rollout_backend=bf16_engine(tok))
     trainer.train()
+    if trainer.state.global_step < steps:  # stopped by SIGINT/SIGTERM (the trainer saved and stopped): so does the study
+        raise SystemExit(f"{out.name} stopped at step {trainer.state.global_step} of {steps}")
     logs = [h for h in trainer.state.log_history if "loss" in h]
     result = {key: [h.get(key) for h in logs] for key in KEYS + ("rewards/length/mean",)}
     out.mkdir(parents=True, exist_ok=True)
@@ -218,48 +221,56 @@ def _plot(curves: dict, path: Path) -> None:
 
 
 def overhead(args) -> None:
-    """Seconds per optimizer step (median over the steps after the first two) with each ``routing_replay``, GRPO,
-    one seed, the runs interleaved round by round so that the machine's drift falls on all of them alike."""
-    times: dict[str, list[float]] = {r: [] for r in REPLAYS}
-    for _ in range(args.rounds):
-        for replay in REPLAYS:
-            result = train_one("grpo", replay, 0, args.steps, RUNS / "overhead" / replay)
-            times[replay].extend(t for t in result["step_time"][2:] if t is not None)
-    base = statistics.median(times["none"])
-    for replay in REPLAYS:
-        med = statistics.median(times[replay])
-        print(f"routing_replay={replay}: {med:.3f} s a step (median of {len(times[replay])}), {med / base:.3f}x none")
-    _recording_overhead(args.rounds * 5)
-
-
-def _recording_overhead(repeats: int) -> None:
-    """What recording the experts costs a generation call (on in every MoE run): 64 rows (16 prompts × 4) of 32
-    tokens with grpokit's decode loop, float32, recording on and off in turn."""
+    """What replay costs a training step, side by side on one batch: the forward and backward of the loss's log-probs
+    over 64 rows (16 prompts × 4) of the tiny MoE, plain (no hooks), observed (what every MoE run does: the router's
+    own choice compared with the recording, for the metrics) and replayed (the recording forced, gate weights
+    recomputed), interleaved round by round, median of ``--rounds``; and what recording costs generation."""
     _imports()
     import torch
     from tiny import tiny_tokenizer
 
+    from grpokit.logprobs import completion_logps
+    from grpokit.moe import RouteTap, find_routers
     from grpokit.rollout.base import SamplingParams
     from grpokit.rollout.transformers_backend import TransformersRollout
     from grpokit.tasks import get_task
 
     tok = tiny_tokenizer()
-    model = tiny_moe(tok, 0).eval()
+    model = tiny_moe(tok, 0)
     prompts = [tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
                for row in get_task("word_count", seed=0).train_dataset.select(range(16))]
     enc = tok([p for p in prompts for _ in range(4)], return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
     backend = TransformersRollout(tok)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for i in range(repeats + 1):
+    params = SamplingParams(max_new_tokens=32, record_routes=True, extra={"min_new_tokens": 32})
+    gen_times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(args.rounds + 1):
         for record in (False, True):
             torch.manual_seed(i)
             start = time.perf_counter()
-            backend.generate(model, enc["input_ids"], enc["attention_mask"],
-                             SamplingParams(max_new_tokens=32, min_p=None, record_routes=record,
-                                            extra={"min_new_tokens": 32}))
+            gen = backend.generate(model.eval(), ids, mask, dataclasses.replace(params, record_routes=record))
             if i:  # the first round warms up
-                times[record].append(time.perf_counter() - start)
-    off, on = statistics.median(times[False]), statistics.median(times[True])
+                gen_times[record].append(time.perf_counter() - start)
+    routes = torch.cat([gen.prompt_routes, gen.completion_routes], 1)
+    routers = find_routers(model)
+    model.train()
+    taps = {"plain": lambda: contextlib.nullcontext(), "observed": lambda: RouteTap(routers, reference=routes),
+            "replayed": lambda: RouteTap(routers, forced=routes, reference=routes)}
+    times: dict[str, list[float]] = {name: [] for name in taps}
+    for i in range(args.rounds + 1):
+        for name, tap in taps.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            with tap():
+                logps, _ = completion_logps(model, ids, mask, gen.completion_ids, gen.completion_mask)
+                (logps * gen.completion_mask).sum().backward()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["plain"])
+    for name in taps:
+        med = statistics.median(times[name])
+        print(f"training forward + backward, {name}: {med:.3f} s (median of {args.rounds}), {med / base:.3f}x plain")
+    off, on = statistics.median(gen_times[False]), statistics.median(gen_times[True])
     print(f"generation, 64 rows x 32 tokens: {off:.3f} s without recording, {on:.3f} s with ({on / off:.3f}x)")
 
 
@@ -271,8 +282,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     sub.add_parser("summarize")
     o = sub.add_parser("overhead")
-    o.add_argument("--steps", type=int, default=12)
-    o.add_argument("--rounds", type=int, default=2)
+    o.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     {"run": run, "summarize": summarize, "overhead": overhead}[args.command](args)
 

@@ -178,7 +178,8 @@ class RolloutBuffer:
         for name, value in state.items():
             if "/" in name:
                 i, key = name.split("/", 1)
-                parts[int(i)][key] = value.to(self.device) if isinstance(value, torch.Tensor) else value
+                on_device = isinstance(value, torch.Tensor) and not key.endswith("_routes")  # (recordings: the CPU)
+                parts[int(i)][key] = value.to(self.device) if on_device else value
         self.parts = [RolloutBatch.from_tensors(p) for p in parts]
 
     def missing_from_checkpoint(self, path: str) -> None:

@@ -76,11 +76,6 @@ class MoeRouting:
         self.records_generation = self.routers is not None and not no_recording
         self._tap: RouteTap | None = None
 
-    @property
-    def records_old(self) -> bool:
-        """Whether the old log-probs' forward records its experts (``"old"``)."""
-        return self.mode == "old"
-
     @contextlib.contextmanager
     def training_forward(self, model: torch.nn.Module, batch) -> Iterator[None]:
         """Around a micro-batch's forward and backward (a recomputed forward gets the same experts): the experts
