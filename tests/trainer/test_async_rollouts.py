@@ -95,9 +95,9 @@ def test_behaviour_logps_come_from_the_generating_weights(tmp_path):
     olds = []
     finish = trainer.pipeline.finish
 
-    def record(samples, stats, driver, mode="train", behaviour_logps=None):
+    def record(samples, stats, driver, mode="train", behaviour_logps=None, **kw):
         olds.append(behaviour_logps)
-        return finish(samples, stats, driver, mode, behaviour_logps=behaviour_logps)
+        return finish(samples, stats, driver, mode, behaviour_logps=behaviour_logps, **kw)
 
     trainer.pipeline.finish = record
     trainer.train()
@@ -220,10 +220,10 @@ def test_a_bounded_run_stopped_and_resumed_trains_on_the_prompts_of_an_uninterru
         trained = []
         finish = trainer.pipeline.finish
 
-        def record(samples, stats, driver, mode="train", behaviour_logps=None):
+        def record(samples, stats, driver, mode="train", behaviour_logps=None, **kw):
             if mode == "train":
                 trained.append([p[0]["content"] for p in samples.prompts[::4]])
-            return finish(samples, stats, driver, mode, behaviour_logps=behaviour_logps)
+            return finish(samples, stats, driver, mode, behaviour_logps=behaviour_logps, **kw)
 
         trainer.pipeline.finish = record
         previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
