@@ -163,7 +163,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     )
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask",
-        metadata=_meta("token_truncate | token_mask | sequence_truncate | sequence_mask."),
+        metadata=_meta("token_truncate | token_mask | sequence_truncate | sequence_mask | icepop | "
+                       "sequence_geometric_mask."),
     )
     vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata=_meta("Upper bound on ρ."))
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata=_meta("Lower bound on ρ."))
@@ -553,6 +554,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
             raise ValueError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs a bound: set "
                 "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max"
+            )
+        if self.vllm_importance_sampling_mode == "icepop" and (lo is None or hi is None):
+            raise ValueError(
+                f"vllm_importance_sampling_mode='icepop' needs both bounds (clip_min={lo!r}, clip_max={hi!r}): set "
+                "vllm_importance_sampling_clip_min and vllm_importance_sampling_clip_max (IcePop's band: 0.5 and 5.0)"
             )
         if (loss_spec(self.loss_type).sampler_ratio == "fold" and self.use_vllm
                 and self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.startswith("sequence")):

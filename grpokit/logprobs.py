@@ -17,6 +17,7 @@ import copy
 
 import torch
 
+from .algorithms.sampling_support import SamplingSupport, support_logps
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
 from .fused_lora import fused_lora
 from .moe.routers import has_routers
@@ -332,6 +333,8 @@ def completion_logps(
     share_prompts: bool = True,
     aux_losses: list | None = None,
     vision=None,
+    support: SamplingSupport | None = None,
+    on_support: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of ``completion_ids`` given the prompts under ``model``, and entropies (B, C).
 
@@ -345,41 +348,51 @@ def completion_logps(
     ``vision``: the prompts' image tensors (:class:`grpokit.vision.VisionInputs`, one row per prompt row) for a
     vision-language model: every forward gets them, and positions are the model's own (M-RoPE); rows share a prompt
     encoding only when their image tensors are equal too.
+    ``support`` and ``on_support``: a list that receives (B, C) the log-probs of the same tokens on a truncating
+    sampler's support (:func:`grpokit.algorithms.sampling_support.support_logps`: renormalised over the tokens its
+    ``top_k`` / ``top_p`` / ``min_p`` keep), from the same forward, without gradient.
     """
     b, c = completion_ids.shape
     if c == 0:
         empty = completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
+        if on_support is not None:
+            on_support.append(empty.clone())
         return empty, (empty.clone() if compute_entropy else None)
     head = lean_head(model) if lean else None
     # an MoE load-balancing loss is computed over the forward's whole attention mask: one forward per row then
     share = (share_prompts and aux_losses is None and head is not None and prompt_ids.shape[1] > 0
              and _shares_prompts(model))
     step = batch_size or b
-    logps, ents = [], []
+    logps, ents, sups = [], [], []
+    support = support if on_support is not None else None
     with fused_lora(model):  # (the trainer's training step holds it around the backward too: see GRPOTrainer)
         for start in range(0, b, step):
             sl = slice(start, start + step)
             rows = (prompt_ids[sl], prompt_mask[sl], completion_ids[sl], completion_mask[sl])
             vis = vision.select(range(start, min(b, start + step))) if vision is not None else None
             aux = [] if aux_losses is not None else None
-            out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux, vis) \
-                if head else None
+            out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux, vis,
+                              support) if head else None
             if out is None:
                 head = None  # this model does not fit the lean path: the plain path from now on
                 aux = [] if aux_losses is not None else None
-                out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux, vis)
+                out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux, vis, support)
             if aux_losses is not None:
                 aux_losses.extend(aux)
             logps.append(out[0])
             if out[1] is not None:
                 ents.append(out[1])
+            sups.append(out[2])
+    if on_support is not None:
+        on_support.append(torch.cat(sups) if len(sups) > 1 else sups[0])
     if len(logps) == 1:
         return logps[0], (ents[0] if compute_entropy else None)
     return torch.cat(logps), (torch.cat(ents) if compute_entropy else None)
 
 
 def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, share: bool,
-                temperature: float, compute_entropy: bool, entropy_grad: bool, aux: list | None, vision=None):
+                temperature: float, compute_entropy: bool, entropy_grad: bool, aux: list | None, vision=None,
+                support: SamplingSupport | None = None):
     """Log-probs and entropies of one chunk of rows from the head's inputs; None when the model does not fit.
 
     With ``share``, rows that come as groups of one prompt encode it once (:func:`_shared_prompt_head_inputs`), and
@@ -413,9 +426,13 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
         return None
     logps, ents = _head_logps(head, hidden, completion_ids, completion_mask.bool(), dtypes, temperature,
                               compute_entropy, entropy_grad)
+    sup = None
+    if support is not None:
+        sup = _head_support_logps(head, hidden, completion_ids, completion_mask.bool(), temperature, support)
     if rows is None:
-        return logps, ents
-    return _RowsOf.apply(logps, inverse), (_RowsOf.apply(ents, inverse) if ents is not None else None)
+        return logps, ents, sup
+    return (_RowsOf.apply(logps, inverse), (_RowsOf.apply(ents, inverse) if ents is not None else None),
+            sup[inverse] if sup is not None else None)
 
 
 class _RowsOf(torch.autograd.Function):
@@ -454,8 +471,31 @@ def _head_logps(head, hidden, completion_ids, valid, dtypes, temperature: float,
     return zeros.masked_scatter(valid, lp_v), (zeros.masked_scatter(valid, ent_v) if compute_entropy else None)
 
 
+SUPPORT_BLOCK_BYTES = 64 * 2**20
+"""The most float32 logits the support's log-probs hold at once (rows × vocabulary)."""
+
+
+@torch.no_grad()
+def _head_support_logps(head, hidden, completion_ids, valid, temperature: float,
+                        support: SamplingSupport) -> torch.Tensor:
+    """(B, C) the valid tokens' log-probs on ``support`` from the head inputs (B, C, D), in float32, rows of the
+    vocabulary's logits a block at a time (the kept set needs each whole row: top-p sorts it); 0 elsewhere."""
+    h = hidden[valid].float()
+    tokens = completion_ids[valid]
+    w = head.weight.float()
+    b = head.bias.float() if head.bias is not None else None
+    rows = max(1, SUPPORT_BLOCK_BYTES // (4 * w.shape[0]))
+    parts = [support_logps(torch.nn.functional.linear(h[i:i + rows], w, b) / temperature, tokens[i:i + rows], support)
+             for i in range(0, h.shape[0], rows)]
+    out = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
+    if parts:
+        out[valid] = torch.cat(parts)
+    return out
+
+
 def _plain_chunk(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                 compute_entropy: bool, entropy_grad: bool, aux: list | None, vision=None):
+                 compute_entropy: bool, entropy_grad: bool, aux: list | None, vision=None,
+                 support: SamplingSupport | None = None):
     """Log-probs and entropies of one chunk of rows from the model's logits."""
     c = completion_ids.shape[1]
     valid = completion_mask.bool()
@@ -463,7 +503,12 @@ def _plain_chunk(model, prompt_ids, prompt_mask, completion_ids, completion_mask
     logits = _forward_logits(model, torch.cat([prompt_ids, completion_ids], 1),
                              torch.cat([prompt_mask, completion_mask], 1), c + 1, aux=aux, extra=extra)[:, :-1]
     lp, ent = token_logps_and_entropy(logits, completion_ids, temperature, compute_entropy, entropy_grad=entropy_grad)
-    return lp.masked_fill(~valid, 0.0), (ent.masked_fill(~valid, 0.0) if ent is not None else None)
+    sup = None
+    if support is not None:
+        with torch.no_grad():
+            sup = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
+            sup[valid] = support_logps(logits[valid].float() / temperature, completion_ids[valid], support)
+    return lp.masked_fill(~valid, 0.0), (ent.masked_fill(~valid, 0.0) if ent is not None else None), sup
 
 
 def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, keep: int,

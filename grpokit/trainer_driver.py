@@ -122,13 +122,15 @@ class TrainerDriver:
 
     # -- log-probs -------------------------------------------------------------------------------------------------
     def policy_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None,
-                     record_routes: list | None = None, force_routes: torch.Tensor | None = None) -> torch.Tensor:
+                     record_routes: list | None = None, force_routes: torch.Tensor | None = None,
+                     support=None, on_support: list | None = None) -> torch.Tensor:
         a = self.trainer.args
         return recorded_forward(
             self.trainer.moe.routers, prompt_ids.shape[0], prompt_ids.shape[1] + completion_ids.shape[1],
             lambda: completion_logps(self.trainer.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                      temperature=a.temperature, compute_entropy=False,
-                                     batch_size=a.per_device_train_batch_size, vision=vision)[0],
+                                     batch_size=a.per_device_train_batch_size, vision=vision, support=support,
+                                     on_support=on_support)[0],
             record=record_routes, force=force_routes)
 
     def reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None) -> torch.Tensor:

@@ -16,7 +16,9 @@ LOG_RATIO_CLAMP = 20.0
 """Every log-ratio is clamped to ±20 before any ``exp`` so that nothing overflows."""
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
-SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop",
+                            "sequence_geometric_mask")
+"""TRL 1.16's four, IcePop's two-sided token band and a sequence band on the geometric mean of the token ratio."""
 
 
 def token_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor | None) -> torch.Tensor:
@@ -65,15 +67,28 @@ def sampler_importance_ratio(
 
     ``δ[i,t] = (old - lp_sampler)·m``. ``token_*``: ``ρ = exp(δ)`` (B, T); ``sequence_*``: ``ρ = exp(Σ_t δ)``
     (B, 1), the product ratio. ``*_truncate``: ``ρ = clamp(ρ, clip_min, clip_max)`` (TIS);
-    ``*_mask``: ``ρ = ρ·1[clip_min ≤ ρ ≤ clip_max]`` (MIS). An unset bound is ±∞. The result is detached:
-    it multiplies the per-token loss as a constant weight.
+    ``*_mask``: ``ρ = ρ·1[clip_min ≤ ρ ≤ clip_max]`` (MIS). An unset bound is ±∞.
+
+    - ``icepop`` (IcePop, Ling Team, "Every Step Evolves", the Ring-1T report, 2025): the token ratio inside a two-sided band,
+      ``ρ = exp(δ)·1[clip_min ≤ exp(δ) ≤ clip_max]``, both bounds required (the paper's 0.5 and 5): tokens whose
+      engine and trainer probabilities disagree either way take no part.
+    - ``sequence_geometric_mask``: the sequence's geometric mean ratio ``ρ = exp(Σ_t δ / Σ_t m)`` (B, 1), kept inside
+      ``[clip_min, clip_max]``: a length-normalised sequence test (verl's geometric rejection), which the product
+      ratio of ``sequence_mask`` is not — one long sequence's product drifts far from 1 with no token far from it.
+
+    The result is detached: it multiplies the per-token loss as a constant weight.
     """
     if mode not in SAMPLER_CORRECTION_MODES:
         raise ValueError(
             f"vllm_importance_sampling_mode={mode!r} is not supported; allowed: {', '.join(SAMPLER_CORRECTION_MODES)}"
         )
+    if mode == "icepop" and (clip_min is None or clip_max is None):
+        raise ValueError(f"vllm_importance_sampling_mode='icepop' needs both bounds, got clip_min={clip_min!r} and "
+                         f"clip_max={clip_max!r}: set vllm_importance_sampling_clip_min and _clip_max (IcePop: 0.5, 5)")
     delta = torch.nan_to_num(old_logps - sampler_logps, nan=0.0) * mask
-    if mode.startswith("sequence"):
+    if mode == "sequence_geometric_mask":
+        delta = delta.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
+    elif mode.startswith("sequence"):
         delta = delta.sum(-1, keepdim=True)
     rho = torch.exp(delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     lo = -math.inf if clip_min is None else clip_min
@@ -82,3 +97,30 @@ def sampler_importance_ratio(
         return rho.clamp(min=lo, max=hi)
     keep = (rho >= lo) & (rho <= hi)
     return rho * keep.to(rho.dtype)
+
+
+def sampler_mismatch_metrics(old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                             rho: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """How far the engine's distribution is from the trainer's on a batch, over the valid tokens (``mask``; tokens the
+    engine could not score, NaN, left out), with ``δ = old - lp_sampler`` and the tokens drawn from the engine:
+
+    - ``mismatch_kl_k1`` ``= mean(-δ)`` and ``mismatch_kl_k3`` ``= mean(exp(δ) - δ - 1)``: estimates of
+      ``KL(π_sampler ‖ π_trainer)`` (k1 unbiased, k3 unbiased and never negative; Schulman's estimators);
+    - ``importance_sampling_ratio/p05|p50|p95``: quantiles of the token ratio ``exp(δ)``;
+    - with the correction's weights ``rho`` ((B, T) or (B, 1)): ``masked_token_frac``, the share of valid tokens
+      whose weight is 0, and ``masked_sequence_frac``, the share of rows with a valid token whose every weight is 0.
+    """
+    valid = mask.bool() & ~torch.isnan(sampler_logps) & ~torch.isnan(old_logps)
+    delta = (old_logps - sampler_logps)[valid].float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if delta.numel() == 0:
+        return {}
+    ratio = torch.exp(delta)
+    out = {"mismatch_kl_k1": (-delta).mean(), "mismatch_kl_k3": (ratio - delta - 1).mean()}
+    quantiles = torch.quantile(ratio[:1_000_000], ratio.new_tensor([0.05, 0.5, 0.95]))
+    out.update({f"importance_sampling_ratio/p{q:02d}": v for q, v in zip((5, 50, 95), quantiles)})
+    if rho is not None:
+        zero = (rho.expand_as(valid) == 0) & valid
+        rows = valid.any(-1)
+        out["masked_token_frac"] = zero.sum() / valid.sum()
+        out["masked_sequence_frac"] = ((zero.sum(-1) == valid.sum(-1)) & rows).sum() / rows.sum().clamp_min(1)
+    return out

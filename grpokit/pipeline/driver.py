@@ -47,11 +47,14 @@ class RolloutDriver(Protocol):
     # -- the finishing half (the learner's thread) -------------------------------------------------------------------
     def policy_logps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                      completion_mask: torch.Tensor, vision=None, record_routes: list | None = None,
-                     force_routes: torch.Tensor | None = None) -> torch.Tensor:
+                     force_routes: torch.Tensor | None = None, support=None,
+                     on_support: list | None = None) -> torch.Tensor:
         """(N, C) the current policy's log-probs of the completion tokens, without gradient (``vision``: the rows'
         image tensors, for a batch with images). A Mixture-of-Experts policy's forward (``grpokit.moe``) forces the
         experts ``force_routes`` holds (N, P + C, L, k: ``routing_replay="rollout"``), and appends those it used to
-        ``record_routes`` (a list: ``routing_replay="old"``)."""
+        ``record_routes`` (a list: ``routing_replay="old"``). ``on_support``: a list that receives (N, C) the same
+        tokens' log-probs on a truncating sampler's support ``support``
+        (:class:`grpokit.algorithms.sampling_support.SamplingSupport`), from the same forward."""
         ...
 
     def reference_logps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from ..algorithms.advantages import group_advantages
-from ..algorithms.importance import sampler_importance_ratio
+from ..algorithms.importance import sampler_importance_ratio, sampler_mismatch_metrics
 from ..algorithms.masked import nanstd
+from ..algorithms.sampling_support import SamplingSupport
 from ..batch import RolloutBatch
 from ..rollout.sample import ScoredSamples
 from .driver import RolloutDriver
@@ -96,31 +97,42 @@ class BatchFinisher:
     def _add_logps(self, batch: RolloutBatch, driver: RolloutDriver, mode: str, stats: RolloutStats) -> None:
         """The log-probs the loss needs besides the current policy's: the rollout policy's (``old_logps``) when the
         batch is reused across optimizer steps or the sampler is not the trainer; the reference model's when
-        ``beta != 0``; and the sampler/trainer mismatch ratio with its metrics."""
+        ``beta != 0``; and the sampler/trainer mismatch ratio with its metrics. A sampler that truncates (``top_k``,
+        ``top_p``, ``min_p``) reports log-probs renormalised over what it kept: the mismatch compares them with the
+        trainer's on that same support (docs/algorithms.md §5), from the same forward."""
         a = self.args
         ids = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         images = {} if batch.vision is None else {"vision": batch.vision}  # a driver without images never sees them
+        support = SamplingSupport.from_config(a)
+        on_support: list | None = [] if batch.sampler_logps is not None and support.truncates else None
         with torch.no_grad():
             reused = mode == "train" and self.reuses_batches
             if batch.old_logps is None and (reused or batch.sampler_logps is not None):
                 routing, recorded = self._routing(batch)
+                if on_support is not None:
+                    routing.update(support=support, on_support=on_support)
                 batch.old_logps = driver.policy_logps(*ids, **images, **routing)
                 batch.old_routes = recorded[0] if recorded else None
             if a.beta != 0.0:
                 batch.ref_logps = driver.reference_logps(*ids, **images)
         if batch.sampler_logps is None or batch.old_logps is None:
             return
+        trainer_logps = on_support[0] if on_support else batch.old_logps  # on the sampler's support
+        mask = batch.loss_mask.float()
         if a.vllm_importance_sampling_correction:
             batch.sampler_ratio = sampler_importance_ratio(
-                batch.old_logps, batch.sampler_logps, batch.loss_mask.float(), a.vllm_importance_sampling_mode,
+                trainer_logps, batch.sampler_logps, mask, a.vllm_importance_sampling_mode,
                 a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max,
             )
         valid = batch.loss_mask.bool()
-        gap = (batch.old_logps - batch.sampler_logps)[valid].abs()
+        gap = (trainer_logps - batch.sampler_logps)[valid].abs()
         gap = gap[~torch.isnan(gap)]  # tokens the sampler could not score
         zero = gap.new_zeros(())
         stats.add("sampling/sampling_logp_difference/mean", gap.mean() if gap.numel() else zero)
         stats.add("sampling/sampling_logp_difference/max", gap.max() if gap.numel() else zero)
+        for name, value in sampler_mismatch_metrics(trainer_logps, batch.sampler_logps, mask,
+                                                    batch.sampler_ratio).items():
+            stats.add(f"sampling/{name}", value)
         if batch.sampler_ratio is not None:
             rho = batch.sampler_ratio
             rho = (rho.expand_as(valid)[valid] if rho.shape[-1] != 1 else rho.flatten()).float()

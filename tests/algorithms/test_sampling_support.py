@@ -1,0 +1,100 @@
+"""The truncated-support log-probs (grpokit/algorithms/sampling_support.py) on a fixed distribution by hand, each
+filter and their order, and against transformers' own warpers applied in vLLM's order; the mismatch suite's new modes
+and metrics by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from grpokit.algorithms.importance import sampler_importance_ratio, sampler_mismatch_metrics
+from grpokit.algorithms.sampling_support import SamplingSupport, kept_tokens, support_logps
+
+P = torch.tensor([[0.5, 0.25, 0.15, 0.1]])
+Z = torch.log(P)  # softmax(Z) = P
+
+
+def lp(support: SamplingSupport, token: int, z: torch.Tensor = Z) -> float:
+    return support_logps(z, torch.tensor([token]), support).item()
+
+
+@pytest.mark.parametrize("support, kept, token, expected", [
+    (SamplingSupport(), [0, 1, 2, 3], 1, 0.25),
+    (SamplingSupport(top_k=2), [0, 1], 1, 0.25 / 0.75),
+    (SamplingSupport(top_p=0.7), [0, 1], 0, 0.5 / 0.75),  # the tail 0.1 + 0.15 = 0.25 ≤ 0.3 goes
+    (SamplingSupport(top_p=0.8), [0, 1, 2], 2, 0.15 / 0.9),  # only 0.1 ≤ 0.2 goes
+    (SamplingSupport(min_p=0.4), [0, 1], 1, 0.25 / 0.75),  # keep p ≥ 0.4 · 0.5
+    (SamplingSupport(min_p=0.25), [0, 1, 2], 0, 0.5 / 0.9),
+    (SamplingSupport(top_k=2), [0, 1], 3, 0.1 / 0.85),  # a drawn token outside the trainer's set counts as kept
+    # vLLM's order: min_p keeps {0, 1, 2}, top_k {0, 1}, then top_p on those renormalised (2/3, 1/3) drops 1/3 ≤ 0.4
+    (SamplingSupport(top_k=2, top_p=0.6, min_p=0.25), [0], 0, 1.0),
+])
+def test_support_logps_by_hand(support, kept, token, expected):
+    assert kept_tokens(Z, support)[0].nonzero().flatten().tolist() == kept
+    assert lp(support, token) == pytest.approx(math.log(expected), abs=1e-6)
+
+
+def test_temperature_comes_first():
+    """At τ = 2 the distribution is p^(1/2), renormalised: top-2 keeps 0.3701 + 0.2617 of it."""
+    tempered = P.sqrt() / P.sqrt().sum()
+    kept = tempered[0, :2].sum()
+    assert lp(SamplingSupport(top_k=2), 0, Z / 2.0) == pytest.approx(math.log(tempered[0, 0] / kept), abs=1e-6)
+
+
+@pytest.mark.parametrize("support", [SamplingSupport(top_k=7), SamplingSupport(top_p=0.8), SamplingSupport(min_p=0.05),
+                                     SamplingSupport(top_k=20, top_p=0.9, min_p=0.02)])
+def test_against_transformers_warpers_in_vllms_order(support):
+    torch.manual_seed(0)
+    logits = torch.randn(64, 300) * 3
+    tokens = torch.randint(0, 300, (64,))
+    scores = TemperatureLogitsWarper(0.7)(None, logits.clone())
+    if support.min_p:
+        scores = MinPLogitsWarper(support.min_p)(None, scores)
+    if support.top_k:
+        scores = TopKLogitsWarper(support.top_k)(None, scores)
+    if support.top_p < 1:
+        scores = TopPLogitsWarper(support.top_p)(None, scores)
+    reference = torch.log_softmax(scores, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    inside = torch.isfinite(reference)  # drawn tokens a real sampler could have drawn
+    assert inside.sum() > 0
+    got = support_logps(logits / 0.7, tokens, support)
+    torch.testing.assert_close(got[inside], reference[inside], atol=1e-5, rtol=0)
+
+
+def test_icepop_is_a_two_sided_token_band():
+    old = torch.log(torch.tensor([[1.0, 1.0, 1.0, 1.0]]))
+    sampler = torch.log(torch.tensor([[1.0, 0.4, 3.0, 0.1]]))  # ratios 1, 2.5, 1/3, 10
+    rho = sampler_importance_ratio(old, sampler, torch.ones(1, 4), "icepop", 0.5, 5.0)
+    torch.testing.assert_close(rho, torch.tensor([[1.0, 2.5, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="'icepop' needs both bounds"):
+        sampler_importance_ratio(old, sampler, torch.ones(1, 4), "icepop", None, 5.0)
+
+
+def test_sequence_geometric_mask_is_length_normalised():
+    """Row 0: token ratios 2 and 2 (geometric mean 2, product 4); row 1: 2 over one valid token of two."""
+    d = math.log(2.0)
+    old = torch.tensor([[d, d], [d, 5.0]])
+    sampler = torch.zeros(2, 2)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    rho = sampler_importance_ratio(old, sampler, mask, "sequence_geometric_mask", None, 3.0)
+    torch.testing.assert_close(rho, torch.tensor([[2.0], [2.0]]))
+    product = sampler_importance_ratio(old, sampler, mask, "sequence_mask", None, 3.0)
+    torch.testing.assert_close(product, torch.tensor([[0.0], [2.0]]))  # the product, 4, falls outside
+
+
+def test_mismatch_metrics_by_hand():
+    old = torch.log(torch.tensor([[1.0, 2.0, 0.5, 1.0]]))
+    sampler = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    m = sampler_mismatch_metrics(old, sampler, mask, rho=torch.tensor([[1.0, 0.0, 0.5, 1.0]]))
+    d = torch.log(torch.tensor([1.0, 2.0, 0.5]))
+    assert m["mismatch_kl_k1"].item() == pytest.approx((-d).mean().item())
+    assert m["mismatch_kl_k3"].item() == pytest.approx((d.exp() - d - 1).mean().item())
+    assert m["importance_sampling_ratio/p50"].item() == pytest.approx(1.0)
+    assert m["masked_token_frac"].item() == pytest.approx(1 / 3)
+    assert m["masked_sequence_frac"].item() == 0.0
+    all_masked = sampler_mismatch_metrics(old, sampler, mask, rho=torch.zeros(1, 1))
+    assert all_masked["masked_sequence_frac"].item() == 1.0 and all_masked["masked_token_frac"].item() == 1.0
