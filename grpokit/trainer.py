@@ -187,8 +187,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             load_parts(self.checkpoint_parts(), self._resume_checkpoint, a.process_index, a.world_size)
         if a.max_staleness > 0:
             producer = AsyncRollouts(self.pipeline, self.driver, self.train_dataset, a)
-            producer.start(state.global_step, self.rollout_buffer.generate_every)
-            self.pipeline.run_ahead(producer)
+            self.pipeline.run_ahead(producer, start=lambda: producer.start(state.global_step,
+                                                                           self.rollout_buffer.generate_every))
 
     def checkpoint_parts(self) -> list:
         """Everything a checkpoint holds beyond transformers' files, as stateful parts (grpokit/checkpoint_parts.py):

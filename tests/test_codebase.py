@@ -188,3 +188,33 @@ def test_nothing_outside_the_trainer_touches_its_private_members():
                 continue
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert not found, "reaching into GRPOTrainer's private members: " + ", ".join(found)
+
+
+TRAINER_MODULES = {"grpokit.trainer", "grpokit.trainer_driver", "grpokit.trainer_setup"}
+
+
+def test_the_pipeline_imports_nothing_of_the_trainer():
+    """grpokit/pipeline/ reaches the trainer only through its declared protocols (pipeline/driver.py)."""
+    modules = _modules()
+    offending = {name: sorted(_imports(name, path, modules) & TRAINER_MODULES)
+                 for name, path in modules.items() if name.startswith("grpokit.pipeline")}
+    assert not {k: v for k, v in offending.items() if v}, offending
+
+
+def test_the_producer_reads_only_what_the_learner_declares():
+    """Every member the asynchronous producer reads off the learner (``learner.x``, ``self.learner.x``) is declared
+    by :class:`grpokit.pipeline.driver.LearnerDriver` (or the :class:`RolloutDriver` it extends)."""
+    from grpokit.pipeline.driver import LearnerDriver
+
+    declared = {n for cls in LearnerDriver.__mro__ for n in vars(cls)} | {
+        n for cls in LearnerDriver.__mro__ for n in getattr(cls, "__annotations__", {})}
+    tree = ast.parse((PACKAGE / "pipeline" / "producer.py").read_text())
+    read = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "learner") or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "learner"):
+                read.add(node.attr)
+    assert read, "the producer reads nothing of the learner: this test has lost what it checks"
+    assert read <= declared, f"the producer reads undeclared members of the learner: {sorted(read - declared)}"

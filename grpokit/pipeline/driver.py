@@ -1,4 +1,4 @@
-"""What the rollout pipeline needs from whoever drives it: one declared protocol.
+"""What the rollout pipeline needs from whoever drives it: declared protocols.
 
 The learner (:class:`grpokit.trainer_driver.TrainerDriver`, the trainer's side) offers all of it; the asynchronous
 producer's driver (:class:`grpokit.pipeline.producer.SamplerDriver`) offers the sampling half only — its own copy of
@@ -78,4 +78,31 @@ class RolloutDriver(Protocol):
 
     def stop_together(self, cause: str | None) -> None:
         """Raise :class:`grpokit.user_calls.RunStopped` on every process when any process carries a stop ``cause``."""
+        ...
+
+
+class LearnerDriver(RolloutDriver, Protocol):
+    """What the asynchronous producer (:class:`grpokit.pipeline.producer.AsyncRollouts`) needs from the learner beyond
+    :class:`RolloutDriver`: the policy to copy and snapshot, whether the engine holds weights of its own, pushing
+    weights to it, and generation with a given copy of the policy. The trainer's implementation is
+    ``grpokit.trainer_driver.TrainerDriver``; ``tests/test_codebase.py`` checks that the producer reads nothing of
+    the learner that is not declared here."""
+
+    @property
+    def holds_weights(self) -> bool:
+        """The rollout engine holds weights of its own (vLLM): the producer pushes weights instead of copying them."""
+        ...
+
+    def policy(self) -> torch.nn.Module:
+        """The trained policy, unwrapped (what the producer copies and snapshots)."""
+        ...
+
+    def push_weights(self) -> None:
+        """Give an engine holding its own weights the current ones."""
+        ...
+
+    def generate_with(self, model: torch.nn.Module | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      max_new_tokens: int | None = None, **images: Any) -> Generation:
+        """Sample with ``model`` (the producer's copy; None: an engine holding its own weights) and the run's
+        settings."""
         ...

@@ -44,7 +44,9 @@ import torch
 from ..logprobs import completion_logps
 from ..moe import find_routers, recorded_forward
 from ..rollout.base import Generation
+from ..rollout.sample import ScoredSamples
 from ..watchdog import stage
+from .driver import LearnerDriver
 from .prompts import BatchRows
 from .stats import RolloutStats
 
@@ -57,8 +59,8 @@ class ProducedBatch:
     """The generation batch's index since the start of training."""
     version: int
     """The optimizer step of the weights that generated it."""
-    samples: Any
-    """Its :class:`grpokit.rollout.sample.ScoredSamples` (dynamic sampling already applied)."""
+    samples: ScoredSamples
+    """Its scored samples (dynamic sampling already applied)."""
     behaviour_logps: torch.Tensor | None
     """(N, C) the generating policy's log-probs of the completion tokens."""
     behaviour_routes: torch.Tensor | None = None
@@ -205,7 +207,7 @@ class SamplerDriver:
 
     lockstep = False
 
-    def __init__(self, learner, sampler: torch.nn.Module | None):
+    def __init__(self, learner: LearnerDriver, sampler: torch.nn.Module | None):
         self.learner, self.sampler = learner, sampler
         self.device, self.trainer_state = learner.device, learner.trainer_state
         self.process_index, self.num_processes = learner.process_index, learner.num_processes
@@ -228,7 +230,7 @@ class AsyncRollouts:
     log-probs), publishing weights after optimizer steps, and the staleness metrics of each batch the learner takes.
     ``learner``: the trainer's :class:`grpokit.pipeline.driver.RolloutDriver`."""
 
-    def __init__(self, pipeline, learner, dataset, args):
+    def __init__(self, pipeline, learner: LearnerDriver, dataset, args):
         self.pipeline, self.learner, self.args = pipeline, learner, args
         self.rows = BatchRows(dataset, pipeline.order, args.num_generations,
                               args.per_device_train_batch_size * args.steps_per_generation, rank=args.process_index)

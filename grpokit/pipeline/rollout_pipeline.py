@@ -11,6 +11,8 @@ learner's thread. Everything the stages need from outside comes through a :class
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..batch import RolloutBatch
 from ..rollout.sample import ScoredSamples
@@ -21,6 +23,9 @@ from .finishing import BatchFinisher
 from .prompts import PromptOrder
 from .scoring import RolloutScorer
 from .stats import RolloutStats
+
+if TYPE_CHECKING:
+    from .producer import AsyncRollouts
 
 
 class RolloutPipeline:
@@ -42,7 +47,7 @@ class RolloutPipeline:
         stopped with the pipeline (:meth:`stop`); scoring after that starts it again."""
         self.bounds = scorer.bounds
         """The time bounds on user code and the run's stop flag (grpokit/user_calls.py)."""
-        self.producer = None
+        self.producer: AsyncRollouts | None = None
         self._taken_state: dict | None = None
 
     # -- stages ------------------------------------------------------------------------------------------------------
@@ -81,10 +86,13 @@ class RolloutPipeline:
         return self.finish(samples, stats, driver, mode="eval")
 
     # -- asynchronous rollouts ---------------------------------------------------------------------------------------
-    def run_ahead(self, producer) -> None:
-        """From now on, training batches come from ``producer`` (started by the caller)."""
+    def run_ahead(self, producer: AsyncRollouts, start: Callable[[], None]) -> None:
+        """From now on, training batches come from ``producer``: the pipeline's state is copied (what a checkpoint
+        holds until the learner takes a batch), then ``start()`` starts the producer's thread, which owns the live
+        state from that moment (copying it after the thread started would read it while that thread writes it)."""
         self.producer = producer
         self._taken_state = copy.deepcopy(self.sampling_state_dict())
+        start()
 
     def stop(self) -> None:
         """Stop the producer (the state stays the copy of the last batch taken: what a later checkpoint holds), then

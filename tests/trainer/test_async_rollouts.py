@@ -240,3 +240,28 @@ def test_a_bounded_run_stopped_and_resumed_trains_on_the_prompts_of_an_uninterru
     assert saved["refill_position"] > 0 and saved["prompt_skipper"]["streaks"]
     _, after = run(tmp_path / "cut", resume="auto")
     assert len(whole) == 8 and before + after == whole
+
+
+def test_the_state_is_copied_before_the_producer_thread_starts(tmp_path, monkeypatch):
+    """The producer's thread owns the pipeline's state from its first moment: the copy a checkpoint holds until the
+    learner takes a batch is made before the thread starts (made after, it would read the state while the thread
+    writes it: dynamic sampling's refill position moves as soon as the thread draws prompts)."""
+    from grpokit.pipeline.producer import AsyncRollouts
+
+    seen = []
+    start = AsyncRollouts.start
+
+    def checked_start(self, global_step, generate_every):
+        pipeline = self.pipeline
+        seen.append((pipeline.producer is self, pipeline._taken_state, pipeline.filter.refill_position))
+        return start(self, global_step, generate_every)
+
+    monkeypatch.setattr(AsyncRollouts, "start", checked_start)
+    tok = tiny_tokenizer()
+    trainer = GRPOTrainer(tiny_model(tok), reward, args=make_args(tmp_path, max_staleness=1, dynamic_sampling=True,
+                                                                  max_steps=2),
+                          train_dataset=dataset(), processing_class=tok)
+    trainer.train()
+    assert len(seen) == 1
+    registered, copied, position = seen[0]
+    assert registered and copied is not None and copied["refill_position"] == position == 0
