@@ -151,7 +151,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self.loss_settings = LossSettings.from_config(args)
         self.entropy_bonus = EntropyBonus(args)
         self.rollout = rollout_backend or default_rollout(model, processing_class, args)
-        self.moe = MoeRouting(model, args, no_recording=route_recording_absent(self.rollout, rollout_func, self.multiturn))
+        self.moe = MoeRouting(model, args, no_recording=route_recording_absent(self.rollout, rollout_func, self.multiturn,
+                                                                               model))
         self.router_aux_loss_coef = self.moe.aux_loss_coef
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE router loss is added
         self.metrics_store = MetricsStore()
@@ -187,8 +188,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             load_parts(self.checkpoint_parts(), self._resume_checkpoint, a.process_index, a.world_size)
         if a.max_staleness > 0:
             producer = AsyncRollouts(self.pipeline, self.driver, self.train_dataset, a)
-            self.pipeline.run_ahead(producer, start=lambda: producer.start(state.global_step,
-                                                                           self.rollout_buffer.generate_every))
+            self.pipeline.run_ahead(producer, lambda: producer.start(state.global_step, self.rollout_buffer.generate_every))
 
     def checkpoint_parts(self) -> list:
         """Everything a checkpoint holds beyond transformers' files, as stateful parts (grpokit/checkpoint_parts.py):

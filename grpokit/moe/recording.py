@@ -60,7 +60,12 @@ class RouteTap(contextlib.AbstractContextManager):
         def hook(module, args, output):
             logits, weights, experts = output
             if self.reference is not None and self.differs[layer] is None:
-                self.differs[layer] = rerouted(experts, self._next(self.reference, layer, experts, "reference"))
+                reference = self._next(self.reference, layer, experts, "reference", strict=False)
+                if reference is None:  # the metrics are best effort: a forward laid out otherwise goes unmeasured
+                    self.reference = None
+                    self.differs = [None] * self.routers.layers
+                else:
+                    self.differs[layer] = rerouted(experts, reference)
             if self.forced is not None:
                 forced = self._next(self.forced, layer, experts, "forced").long()
                 keep = (forced == self.routers.unrecorded).any(-1, keepdim=True)
@@ -74,11 +79,15 @@ class RouteTap(contextlib.AbstractContextManager):
             return output
         return hook
 
-    def _next(self, routes: torch.Tensor, layer: int, experts: torch.Tensor, what: str) -> torch.Tensor:
-        """The rows of ``routes`` this call of router ``layer`` routes: the next ones after the previous call's."""
+    def _next(self, routes: torch.Tensor, layer: int, experts: torch.Tensor, what: str,
+              strict: bool = True) -> torch.Tensor | None:
+        """The rows of ``routes`` this call of router ``layer`` routes: the next ones after the previous call's (None,
+        when not ``strict``, for a call they do not fit)."""
         cursors = self._cursor[what]
         start, tokens = cursors[layer], experts.shape[0]
         if start + tokens > routes.shape[0]:
+            if not strict:
+                return None
             raise RuntimeError(f"routing replay: router {layer} got {tokens} tokens, the {what} routes hold "
                                f"{routes.shape[0] - start} more: the forward is not laid out as the batch's rows")
         cursors[layer] = (start + tokens) % routes.shape[0]

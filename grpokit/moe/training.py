@@ -117,13 +117,15 @@ class MoeRouting:
         r = self.routers
         n, c = batch.completion_ids.shape
         width = batch.prompt_ids.shape[1] + c
+        if any(u is None or u.shape[0] != n * width for u in tap.used):
+            return  # a forward not laid out as the batch's rows goes unmeasured
         valid = batch.loss_mask.bool()
         picks = (torch.arange(c, device=valid.device) + width - c - 1).expand(n, c)[valid]  # predicting positions
         rows = torch.arange(n, device=valid.device).unsqueeze(1).expand(n, c)[valid]
         flat = (rows * width + picks).cpu()
         imbalance = [load_imbalance(used[flat], r.num_experts) for used in tap.used]
         record("moe/load_imbalance", torch.stack(imbalance).mean())
-        if tap.differs[0] is None or flat.numel() == 0:
+        if any(d is None for d in tap.differs) or flat.numel() == 0:
             return
         differs = torch.stack([d.cpu()[flat] for d in tap.differs], 1)  # (tokens, L)
         record("moe/rerouted_share", differs.float().mean())

@@ -232,3 +232,27 @@ def test_a_batch_without_the_samplers_recording_is_an_error_not_a_silent_skip(tm
     with pytest.raises(RuntimeError, match="routing_replay='rollout': this batch holds no recording of the sampler's "
                                            "experts"):
         trainer.train()
+
+
+def test_a_vision_language_moe_replays_the_old_pass_and_refuses_rollout_replay(tmp_path, taps):
+    """Qwen3.5-MoE with images: generation does not record its experts (a VLM's generation is not laid out as its
+    rows yet), so ``"rollout"`` is refused in one line; ``"old"`` records and forces the old pass's experts."""
+    from datasets import Dataset
+    from PIL import Image
+    from tiny_vlm import tiny_vlm
+
+    def image_dataset():
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What colour is picture {i}?"}]
+                                             for i in range(4)],
+                                  "image": [Image.new("RGB", (32 + 8 * i, 40), "red") for i in range(4)]})
+
+    model, processor = tiny_vlm("qwen3_5_moe")
+    with pytest.raises(ValueError, match=r"^routing_replay='rollout' is not allowed with a vision-language model: "):
+        GRPOTrainer(model, varied_reward, args=make_args(tmp_path, routing_replay="rollout", num_generations=2),
+                    train_dataset=image_dataset(), processing_class=processor)
+    trainer = GRPOTrainer(model, varied_reward, args=make_args(tmp_path, routing_replay="old", num_generations=2,
+                                                               num_iterations=2, learning_rate=0.1),
+                          train_dataset=image_dataset(), processing_class=processor)
+    trainer.train()
+    assert len(taps) == 2 and all(forced is not None for forced, _, _ in taps)  # both passes over the batch
+    replayed_exactly(taps)
