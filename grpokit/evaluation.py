@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from .data import is_conversational
+from .pipeline.samples import sample_and_score
 from .reporting import mean_ci95, wilson_interval
 from .rewards import reward_func_name
 from .rewards.answers import last_number, parse_number
 from .rollout.base import SamplingParams, context_length, stop_token_ids
-from .rollout.sample import sample_and_score
 from .rollout.transformers_backend import TransformersRollout
 from .sharding import weights_for_generation
 from .tools import TurnLimits

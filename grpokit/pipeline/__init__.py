@@ -2,24 +2,28 @@
 hand-offs from stage to stage (docs/architecture.md):
 
 - :mod:`.prompts`: the one seeded prompt order (the dataloader's sampler, the refill stream, the producer);
-- :mod:`.scoring`: sampling and scoring (rows → :class:`grpokit.rollout.sample.ScoredSamples`);
+- :mod:`.samples`: :class:`ScoredSamples` (one scored completion per row), preparing prompts, scoring a generation;
+- :mod:`.scoring`: sampling and scoring (rows → :class:`ScoredSamples`); :mod:`.rollout_func`: a user's
+  ``rollout_func`` output as the pipeline's types;
 - :mod:`.filtering`: dynamic sampling and prompt skipping (:class:`GroupFilter`, one object, one state);
 - :mod:`.finishing`: advantages over every process, masks, log-probs (→ :class:`grpokit.batch.RolloutBatch`);
 - :mod:`.stats`: :class:`RolloutStats`, the one metrics channel;
-- :mod:`.driver`: :class:`RolloutDriver`, what the pipeline needs from whoever drives it;
+- :mod:`.driver`: :class:`RolloutDriver`, what the pipeline needs from whoever drives it, and
+  :class:`LearnerDriver`, what the asynchronous producer needs from the learner beyond it;
 - :mod:`.producer`: asynchronous rollouts, the same pipeline driven ahead of the learner;
 - :mod:`.rollout_pipeline`: :class:`RolloutPipeline`, the stages put together.
 """
 
-from .driver import RolloutDriver
+from .driver import LearnerDriver, RolloutDriver
 from .filtering import FillStats, GroupFilter, fill_with_informative_groups, first_round_groups
 from .finishing import BatchFinisher
 from .prompt_skipping import PromptSkipper, prompt_key
 from .prompts import GroupRepeatIterable, GroupRepeatSampler, PromptOrder
 from .rollout_pipeline import RolloutPipeline
+from .samples import ScoredSamples, sample_and_score
 from .scoring import RolloutScorer
 from .stats import RolloutStats
 
-__all__ = ["BatchFinisher", "FillStats", "GroupFilter", "GroupRepeatIterable", "GroupRepeatSampler", "PromptOrder",
-           "PromptSkipper", "RolloutDriver", "RolloutPipeline", "RolloutScorer", "RolloutStats",
-           "fill_with_informative_groups", "first_round_groups", "prompt_key"]
+__all__ = ["BatchFinisher", "FillStats", "GroupFilter", "GroupRepeatIterable", "GroupRepeatSampler", "LearnerDriver",
+           "PromptOrder", "PromptSkipper", "RolloutDriver", "RolloutPipeline", "RolloutScorer", "RolloutStats",
+           "ScoredSamples", "fill_with_informative_groups", "first_round_groups", "prompt_key", "sample_and_score"]

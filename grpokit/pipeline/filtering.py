@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from ..algorithms.advantages import dynamic_sampling_keep, total_reward
-from ..rollout.sample import ScoredSamples
 from .prompt_skipping import PromptSkipper
 from .prompts import PROMPT_SKIP_SEED_OFFSET, PromptOrder
+from .samples import ScoredSamples
 from .stats import RolloutStats
 
 MIN_KEEP_RATE = 0.1

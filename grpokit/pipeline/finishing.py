@@ -11,8 +11,8 @@ from ..algorithms.importance import sampler_importance_ratio, sampler_mismatch_m
 from ..algorithms.masked import nanstd
 from ..algorithms.sampling_support import SamplingSupport
 from ..batch import RolloutBatch
-from ..rollout.sample import ScoredSamples
 from .driver import RolloutDriver
+from .samples import ScoredSamples
 from .stats import RolloutStats
 
 

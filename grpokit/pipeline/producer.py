@@ -44,10 +44,10 @@ import torch
 from ..logprobs import completion_logps
 from ..moe import find_routers, recorded_forward
 from ..rollout.base import Generation
-from ..rollout.sample import ScoredSamples
 from ..watchdog import stage
 from .driver import LearnerDriver
 from .prompts import BatchRows
+from .samples import ScoredSamples
 from .stats import RolloutStats
 
 STALENESS_MODES = ("bounded", "exact")

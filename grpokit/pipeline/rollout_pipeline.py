@@ -15,12 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..batch import RolloutBatch
-from ..rollout.sample import ScoredSamples
 from ..watchdog import stage
 from .driver import RolloutDriver
 from .filtering import GroupFilter
 from .finishing import BatchFinisher
 from .prompts import PromptOrder
+from .samples import ScoredSamples
 from .scoring import RolloutScorer
 from .stats import RolloutStats
 

@@ -1,5 +1,5 @@
 """The pipeline's sampling-and-scoring stage: dataset rows in, one scored completion per row out
-(:class:`grpokit.rollout.sample.ScoredSamples`). Local to the process (no collective), so it runs any number of
+(:class:`grpokit.pipeline.samples.ScoredSamples`). Local to the process (no collective), so it runs any number of
 times per generation batch (dynamic sampling's rounds) and in any thread (the asynchronous producer's)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 
 from ..algorithms.advantages import overlong_penalty
 from ..rollout.base import context_length, stop_token_ids
-from ..rollout.sample import ScoredSamples, sample_and_score
 from ..tools import TurnLimits
 from ..user_calls import CallBounds
 from ..vision.inputs import pixel_dtype
 from .driver import RolloutDriver
+from .samples import ScoredSamples, sample_and_score
 from .stats import RolloutStats
 
 
@@ -74,7 +74,7 @@ class RolloutScorer:
 
     def _rollout_func_turn(self, rows: list[dict], driver: RolloutDriver) -> tuple:
         """The prompts and first replies from ``rollout_func``; its extra fields join the rows."""
-        from ..rollout.custom import call_rollout_func, merge_fields
+        from .rollout_func import call_rollout_func, merge_fields
 
         prepared, generation, fields = call_rollout_func(
             self.rollout_func, [r.get("prompt") for r in rows], self.rollout_func_owner, self.processing_class,

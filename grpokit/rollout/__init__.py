@@ -1,9 +1,8 @@
-"""Generation backends behind one small interface (:class:`RolloutBackend`): transformers ``generate`` (default)
-and vLLM; :func:`sample_and_score` is the path from dataset rows to scored completions."""
+"""Generation engines behind one small interface (:class:`RolloutBackend`): transformers ``generate`` (default, with
+grpokit's CPU decode loop), continuous batching and vLLM. The path from dataset rows to scored completions is the
+rollout pipeline's (``grpokit.pipeline``)."""
 
 from .base import Generation, RolloutBackend, SamplingParams, completion_mask_from_eos
-from .sample import ScoredSamples, sample_and_score
 from .transformers_backend import TransformersRollout
 
-__all__ = ["Generation", "RolloutBackend", "SamplingParams", "ScoredSamples", "TransformersRollout",
-           "completion_mask_from_eos", "sample_and_score"]
+__all__ = ["Generation", "RolloutBackend", "SamplingParams", "TransformersRollout", "completion_mask_from_eos"]

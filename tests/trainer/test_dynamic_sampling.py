@@ -13,8 +13,8 @@ from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.config import GRPOConfig
 from grpokit.pipeline import GroupFilter, PromptOrder, fill_with_informative_groups, first_round_groups
+from grpokit.pipeline.samples import ScoredSamples
 from grpokit.rollout.base import Generation
-from grpokit.rollout.sample import ScoredSamples
 from grpokit.trainer import GRPOTrainer
 
 G = 2

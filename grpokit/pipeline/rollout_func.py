@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .base import Generation
-from .sample import PreparedPrompts
+from ..rollout.base import Generation
+from .samples import PreparedPrompts
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 

@@ -13,13 +13,13 @@ import torch
 from ..data import is_conversational, prompt_text, tokenize_prompts
 from ..moe.routers import unrecorded_index
 from ..rewards.scoring import score_completions
+from ..rollout.base import Generation
 from ..user_calls import CallBounds, CallTimeout, Incidents, call
 from ..vision.detection import is_processor
 from ..vision.encoding import encode_batch, tokenizer_of
 from ..vision.inputs import VisionInputs
 from ..vision.messages import place_images
 from ..watchdog import stage
-from .base import Generation
 
 logger = logging.getLogger("grpokit")
 
