@@ -318,7 +318,7 @@ def build_pipeline(model, processing_class, rewards: Rewards, args: GRPOConfig, 
                    rollout_func, trainer, generate_every: int):
     """The trainer's :class:`grpokit.pipeline.RolloutPipeline`: its prompt order over ``train_dataset`` (none for a
     stream), the scorer, dynamic sampling's filter when asked for, and the finishing stage."""
-    from .pipeline import BatchFinisher, GroupFilter, PromptOrder, RolloutPipeline, RolloutScorer
+    from .pipeline import BatchFinisher, GroupFilter, PromptOrder, PromptStream, RolloutPipeline, RolloutScorer
 
     prompts_per_batch = args.generation_batch_size // args.num_generations
     order = None
@@ -326,13 +326,14 @@ def build_pipeline(model, processing_class, rewards: Rewards, args: GRPOConfig, 
         order = PromptOrder(len(train_dataset), prompts_per_batch, bool(args.shuffle_dataset), args.seed)
     scorer = RolloutScorer(model, processing_class, rewards.funcs, rewards.processing_classes, args,
                            multiturn=multiturn, rollout_func=rollout_func, rollout_func_owner=trainer)
-    group_filter = None
+    group_filter = prompts = None
     if args.dynamic_sampling:
-        group_filter = GroupFilter(train_dataset, order, args, rewards.weights, tokenizer_of(processing_class).pad_token_id,
-                                   rank=args.process_index, world_size=args.world_size)
+        group_filter = GroupFilter(args, rewards.weights, tokenizer_of(processing_class).pad_token_id)
+        prompts = PromptStream(train_dataset, order, args, rewards.weights, rank=args.process_index,
+                               world_size=args.world_size)
     finisher = BatchFinisher(args, rewards.names, rewards.weights,
                              reuses_batches=args.gradient_accumulation_steps % generate_every != 0)
-    return RolloutPipeline(scorer, finisher, group_filter, order, reward_process=rewards.process)
+    return RolloutPipeline(scorer, finisher, group_filter, order, reward_process=rewards.process, prompts=prompts)
 
 
 def dataset_items(train_dataset, eval_dataset) -> list[tuple[str, object]]:

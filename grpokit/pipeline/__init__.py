@@ -5,7 +5,9 @@ hand-offs from stage to stage (docs/architecture.md):
 - :mod:`.samples`: :class:`ScoredSamples` (one scored completion per row), preparing prompts, scoring a generation;
 - :mod:`.scoring`: sampling and scoring (rows → :class:`ScoredSamples`); :mod:`.rollout_func`: a user's
   ``rollout_func`` output as the pipeline's types;
-- :mod:`.filtering`: dynamic sampling and prompt skipping (:class:`GroupFilter`, one object, one state);
+- :mod:`.filtering`: dynamic sampling's filter (:class:`GroupFilter`: which groups a round keeps, how large rounds
+  are) and the groups a batch gathers (:class:`GroupFill`); :mod:`.prompt_stream`: the prompts beyond the batch,
+  with GRESO's skipping (:class:`PromptStream`);
 - :mod:`.finishing`: advantages over every process, masks, log-probs (→ :class:`grpokit.batch.RolloutBatch`);
 - :mod:`.stats`: :class:`RolloutStats`, the one metrics channel;
 - :mod:`.driver`: :class:`RolloutDriver`, what the pipeline needs from whoever drives it, and
@@ -15,15 +17,17 @@ hand-offs from stage to stage (docs/architecture.md):
 """
 
 from .driver import LearnerDriver, RolloutDriver
-from .filtering import FillStats, GroupFilter, fill_with_informative_groups, first_round_groups
+from .filtering import FillStats, GroupFill, GroupFilter, first_round_groups, next_round_groups
 from .finishing import BatchFinisher
 from .prompt_skipping import PromptSkipper, prompt_key
+from .prompt_stream import PromptStream
 from .prompts import GroupRepeatIterable, GroupRepeatSampler, PromptOrder
 from .rollout_pipeline import RolloutPipeline
 from .samples import ScoredSamples, sample_and_score
 from .scoring import RolloutScorer
 from .stats import RolloutStats
 
-__all__ = ["BatchFinisher", "FillStats", "GroupFilter", "GroupRepeatIterable", "GroupRepeatSampler", "LearnerDriver",
-           "PromptOrder", "PromptSkipper", "RolloutDriver", "RolloutPipeline", "RolloutScorer", "RolloutStats",
-           "ScoredSamples", "fill_with_informative_groups", "first_round_groups", "prompt_key", "sample_and_score"]
+__all__ = ["BatchFinisher", "FillStats", "GroupFill", "GroupFilter", "GroupRepeatIterable", "GroupRepeatSampler",
+           "LearnerDriver", "PromptOrder", "PromptSkipper", "PromptStream", "RolloutDriver", "RolloutPipeline",
+           "RolloutScorer", "RolloutStats", "ScoredSamples", "first_round_groups", "next_round_groups", "prompt_key",
+           "sample_and_score"]

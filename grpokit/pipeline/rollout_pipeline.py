@@ -19,6 +19,7 @@ from ..watchdog import stage
 from .driver import RolloutDriver
 from .filtering import GroupFilter
 from .finishing import BatchFinisher
+from .prompt_stream import PromptStream
 from .prompts import PromptOrder
 from .samples import ScoredSamples
 from .scoring import RolloutScorer
@@ -33,15 +34,17 @@ class RolloutPipeline:
     :class:`PromptOrder` (None for a dataset read as a stream); ``producer``: set by :meth:`run_ahead` for
     asynchronous rollouts (:class:`grpokit.pipeline.producer.AsyncRollouts`).
 
-    State: the filter's (refill position, keep rate, skipped-prompt streaks), saved and restored through
+    State: the refill stream's (position, skipped-prompt streaks) and the filter's (keep rate), saved and restored through
     :meth:`state_dict` / :meth:`load_state_dict` (a checkpoint part). With a producer, the producer's thread owns the
     live state and :meth:`state_dict` gives the copy that came with the last batch the learner took."""
 
     checkpoint_file = "grpokit_state_{process}.json"
 
     def __init__(self, scorer: RolloutScorer, finisher: BatchFinisher, group_filter: GroupFilter | None = None,
-                 order: PromptOrder | None = None, reward_process=None):
+                 order: PromptOrder | None = None, reward_process=None, prompts: PromptStream | None = None):
         self.scorer, self.finisher, self.filter, self.order = scorer, finisher, group_filter, order
+        self.prompts = prompts
+        """Dynamic sampling's refill stream, with GRESO's skipping (set with ``group_filter``)."""
         self.reward_process = reward_process
         """The process the scorer's reward functions run in (``reward_process=True``: grpokit/rewards/process.py),
         stopped with the pipeline (:meth:`stop`); scoring after that starts it again."""
@@ -57,11 +60,28 @@ class RolloutPipeline:
         stats = RolloutStats()
         with driver.generation_batch():
             if mode == "train" and self.filter is not None:
-                samples = self.filter.fill(rows, lambda some: self.scorer(some, driver, stats), stats,
-                                           driver.any_process if driver.lockstep else None)
-            else:
-                samples = self.scorer(rows, driver, stats)
-        return samples, stats
+                return self._fill(rows, driver, stats), stats
+            return self.scorer(rows, driver, stats), stats
+
+    def _fill(self, rows: list[dict], driver: RolloutDriver, stats: RolloutStats) -> ScoredSamples:
+        """Dynamic sampling: the batch's rows less the prompts GRESO skips, and as many refill prompts as the last
+        batch's keep rate says will be dropped, in a first round; then rounds of refill prompts until the batch holds
+        enough groups with reward spread or the rounds run out (every process runs as many rounds as the one that
+        needs most, when they generate in lockstep)."""
+        fill, stream = self.filter.start(len(rows)), self.prompts
+        rows = stream.skip(rows)
+        batch = self.scorer(rows + stream.draw(self.filter.first_round(fill) - len(rows) // fill.g), driver, stats)
+        while True:
+            keep = self.filter.keep(batch)
+            stream.observe(batch, keep)
+            fill.add(batch, keep)
+            short = driver.any_process(fill.short) if driver.lockstep else fill.short
+            if not short or not self.filter.rounds_left(fill):
+                break
+            batch = self.scorer(stream.draw(self.filter.next_round(fill)), driver, stats)
+        samples = self.filter.finish(fill, stats)
+        stream.record(stats)
+        return samples
 
     def finish(self, samples: ScoredSamples, stats: RolloutStats, driver: RolloutDriver, mode: str = "train",
                behaviour_logps=None, behaviour_routes=None) -> tuple[RolloutBatch, RolloutStats]:
@@ -105,8 +125,10 @@ class RolloutPipeline:
 
     # -- state ---------------------------------------------------------------------------------------------------------
     def sampling_state_dict(self) -> dict:
-        """The sampling half's live state (read in the thread that samples)."""
-        return self.filter.state_dict() if self.filter is not None else {}
+        """The sampling half's live state (read in the thread that samples): the refill stream's and the filter's."""
+        if self.filter is None:
+            return {}
+        return {**self.prompts.state_dict(), **self.filter.state_dict()}
 
     def state_dict(self) -> dict | None:
         """What a checkpoint holds: the state after the last batch the learner took (None: no state)."""
@@ -117,4 +139,5 @@ class RolloutPipeline:
     def load_state_dict(self, state: dict) -> None:
         self._taken_state = None
         if self.filter is not None:
+            self.prompts.load_state_dict(state)
             self.filter.load_state_dict(state)

@@ -42,7 +42,7 @@ def main(out: str) -> None:
     trainer.pipeline.finish = record
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    torch.save({"seen": seen, "logs": logs, "refill_position": trainer.pipeline.filter.refill_position},
+    torch.save({"seen": seen, "logs": logs, "refill_position": trainer.pipeline.prompts.refill_position},
                os.path.join(out, f"rank{trainer.args.process_index}.pt"))
 
 

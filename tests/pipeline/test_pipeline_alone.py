@@ -12,7 +12,15 @@ from runs import run_args
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.algorithms.advantages import group_advantages
-from grpokit.pipeline import BatchFinisher, GroupFilter, PromptOrder, RolloutDriver, RolloutPipeline, RolloutScorer
+from grpokit.pipeline import (
+    BatchFinisher,
+    GroupFilter,
+    PromptOrder,
+    PromptStream,
+    RolloutDriver,
+    RolloutPipeline,
+    RolloutScorer,
+)
 from grpokit.rollout.base import Generation, completion_mask_from_eos
 
 
@@ -79,9 +87,10 @@ def pipeline_for(prompts: list[str], group: int = 4, **kw):
     weights = torch.ones(1)
     scorer = RolloutScorer(tiny_model(tok), tok, [reply_length], [None], args)
     order = PromptOrder(len(dataset), 2, False, 0)
-    group_filter = GroupFilter(dataset, order, args, weights, tok.pad_token_id) if args.dynamic_sampling else None
+    group_filter = GroupFilter(args, weights, tok.pad_token_id) if args.dynamic_sampling else None
+    prompts = PromptStream(dataset, order, args, weights) if args.dynamic_sampling else None
     finisher = BatchFinisher(args, ["reply_length"], weights, reuses_batches=False)
-    return RolloutPipeline(scorer, finisher, group_filter, order), FakeDriver(tok, group), dataset
+    return RolloutPipeline(scorer, finisher, group_filter, order, prompts=prompts), FakeDriver(tok, group), dataset
 
 
 def test_the_fake_driver_offers_what_the_protocol_declares():

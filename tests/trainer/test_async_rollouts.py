@@ -128,7 +128,7 @@ def test_dynamic_sampling_in_the_producer(tmp_path):
     trainer, _, logs = train(tmp_path, reward=only_easy, max_staleness=1, dynamic_sampling=True,
                              dynamic_sampling_max_rounds=10, max_steps=3)
     assert all(h["frac_reward_zero_std"] == 0 and "dynamic_sampling/rounds" in h for h in logs)
-    assert trainer.pipeline.filter.refill_position > 0
+    assert trainer.pipeline.prompts.refill_position > 0
 
 
 def test_sigterm_stops_the_producer_and_the_run_resumes(tmp_path):
@@ -253,7 +253,7 @@ def test_the_state_is_copied_before_the_producer_thread_starts(tmp_path, monkeyp
 
     def checked_start(self, global_step, generate_every):
         pipeline = self.pipeline
-        seen.append((pipeline.producer is self, pipeline._taken_state, pipeline.filter.refill_position))
+        seen.append((pipeline.producer is self, pipeline._taken_state, pipeline.prompts.refill_position))
         return start(self, global_step, generate_every)
 
     monkeypatch.setattr(AsyncRollouts, "start", checked_start)

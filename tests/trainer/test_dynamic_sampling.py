@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from datasets import Dataset
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.config import GRPOConfig
-from grpokit.pipeline import GroupFilter, PromptOrder, fill_with_informative_groups, first_round_groups
+from grpokit.pipeline import GroupFilter, PromptOrder, PromptStream, RolloutPipeline, first_round_groups
 from grpokit.pipeline.samples import ScoredSamples
 from grpokit.rollout.base import Generation
 from grpokit.trainer import GRPOTrainer
@@ -31,41 +32,91 @@ def fake_samples(group_rewards: list[list[float]], tag: str) -> ScoredSamples:
                          rewards=torch.tensor(rewards).unsqueeze(1), n_truncated_prompts=0)
 
 
+class FakeStream:
+    """The refill stream of :class:`grpokit.pipeline.PromptStream`'s interface: rows that only say which draw they
+    came from, no skipping."""
+
+    def __init__(self):
+        self.draws = []
+
+    def skip(self, rows):
+        return rows
+
+    def draw(self, n_groups):
+        self.draws.append(n_groups)
+        return [{"draw": len(self.draws)}] * (n_groups * G)
+
+    def observe(self, samples, spread):
+        pass
+
+    def record(self, stats):
+        pass
+
+    def state_dict(self):
+        return {}
+
+
+class OneProcess:
+    lockstep = False
+
+    def generation_batch(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def fill(first, more, max_rounds=3, factor=1.0, need=None, last_keep_rate=None):
+    """Dynamic sampling through :meth:`RolloutPipeline.sample`: the first round scores as ``first`` (the batch's
+    ``need`` groups, default all of ``first``'s, and what the filter asks for beyond them), every later round of
+    ``n`` refill groups as ``more(n)``. Returns the samples, the rounds' sizes and the metrics."""
+    args = SimpleNamespace(num_generations=G, dynamic_sampling_max_rounds=max_rounds,
+                           dynamic_sampling_oversample=factor)
+    group_filter = GroupFilter(args, torch.ones(1), pad_id=0)
+    group_filter.last_keep_rate = last_keep_rate
+    stream, calls = FakeStream(), []
+
+    class Scorer:
+        bounds = None
+
+        def __call__(self, rows, driver, stats):
+            calls.append(len(rows) // G)
+            return first if len(calls) == 1 else more(len(rows) // G)
+
+    pipeline = RolloutPipeline(Scorer(), None, group_filter, prompts=stream)
+    rows = [{"batch": True}] * (G * (need if need is not None else len(first) // G))
+    samples, stats = pipeline.sample(rows, OneProcess())
+    return samples, calls[1:], dict(stats.metrics)
+
+
 def test_fills_the_batch_with_groups_that_have_spread():
     first = fake_samples([[1, 1], [0, 1], [0, 0], [1, 1]], "a")  # one of four groups has spread
-    asked = []
 
     def more(n):
-        asked.append(n)
-        if len(asked) == 1:
+        if n == 4:
             return fake_samples([[0, 1], [1, 1], [1, 0], [0.5, 0.5]][:n], "b")
         return fake_samples([[2, 3]] * n, "c")
 
-    out, stats = fill_with_informative_groups(first, more, G, torch.ones(1), max_extra_rounds=3, pad_id=0)
+    out, asked, m = fill(first, more)
     assert out.prompts == ["a1", "a1", "b0", "b0", "b2", "b2", "c0", "c0"]
     assert asked == [4, 3]  # 3 missing at a keep rate of 1/4 → 12, capped at the batch's 4; then 1 at 3/8 → 3
-    assert stats.rounds == 3 and stats.unfilled_groups == 0
-    assert stats.generated_groups == 11 and stats.dropped_groups == 5
+    assert m["dynamic_sampling/rounds"] == 3 and m["dynamic_sampling/unfilled_frac"] == 0
+    assert m["dynamic_sampling/filtered_frac"] == 5 / 11  # 11 groups generated, 5 without spread
 
 
 def test_a_larger_round_cap_asks_for_what_the_keep_rate_says_in_one_round():
     first = fake_samples([[1, 1], [0, 1], [0, 0], [1, 1]], "a")  # one of four groups has spread
-    asked = []
 
     def more(n):
-        asked.append(n)
         return fake_samples(([[0, 1], [1, 1], [1, 1], [1, 1]] * 3)[:n], "b")
 
-    out, stats = fill_with_informative_groups(first, more, G, torch.ones(1), max_extra_rounds=3, pad_id=0,
-                                              max_round_factor=4)
+    out, asked, m = fill(first, more, factor=4)
     assert asked == [12]  # 3 missing at a keep rate of 1/4 → 12, within 4 × the batch's 4 groups
     assert out.prompts == ["a1", "a1", "b0", "b0", "b4", "b4", "b8", "b8"]
-    assert stats.rounds == 2 and stats.unfilled_groups == 0 and stats.generated_groups == 16
-    del asked[:]
-    out, stats = fill_with_informative_groups(first, more, G, torch.ones(1), max_extra_rounds=3, pad_id=0,
-                                              max_round_factor=1.5)
+    assert m["dynamic_sampling/rounds"] == 2 and m["dynamic_sampling/unfilled_frac"] == 0
+    assert m["dynamic_sampling/filtered_frac"] == 12 / 16
+    out, asked, m = fill(first, more, factor=1.5)
     assert asked == [6, 4]  # 12 capped at ⌊1.5 × 4⌋ = 6 (two kept); then 1 missing at a keep rate of 3/10 → 4
-    assert out.prompts == ["a1", "a1", "b0", "b0", "b4", "b4", "b0", "b0"] and stats.rounds == 3
+    assert out.prompts == ["a1", "a1", "b0", "b0", "b4", "b4", "b0", "b0"] and m["dynamic_sampling/rounds"] == 3
 
 
 def test_first_round_is_sized_by_the_last_keep_rate():
@@ -79,33 +130,26 @@ def test_first_round_is_sized_by_the_last_keep_rate():
 
 
 def test_a_first_round_larger_than_the_batch_fills_to_need():
+    """The last batch kept half: a batch of 2 groups asks for 4 more in its first round (the stream's first draw)."""
     first = fake_samples([[1, 1], [0, 1], [0, 0], [1, 0], [2, 0], [1, 1]], "a")  # groups 1, 3 and 4 have spread
-    out, stats = fill_with_informative_groups(first, None, G, torch.ones(1), max_extra_rounds=3, pad_id=0, need=2)
+    out, asked, m = fill(first, None, need=2, factor=4, last_keep_rate=0.5)
     assert out.prompts == ["a1", "a1", "a3", "a3"]  # no extra round: the surplus group a4 is discarded
-    assert stats.rounds == 1 and stats.generated_groups == 6 and stats.keep_rate == 0.5
-    asked = []
-
-    def more(n):
-        asked.append(n)
-        return fake_samples([[0, 1]] * n, "b")
-
-    out, stats = fill_with_informative_groups(first, more, G, torch.ones(1), max_extra_rounds=3, pad_id=0, need=4,
-                                              max_round_factor=2)
+    assert asked == [] and m["dynamic_sampling/rounds"] == 1 and m["dynamic_sampling/filtered_frac"] == 0.5
+    out, asked, m = fill(first, lambda n: fake_samples([[0, 1]] * n, "b"), need=4, factor=2, last_keep_rate=0.75)
     assert asked == [2]  # one missing at a keep rate of 3/6 → 2
-    assert out.prompts == ["a1", "a1", "a3", "a3", "a4", "a4", "b0", "b0"] and stats.rounds == 2
+    assert out.prompts == ["a1", "a1", "a3", "a3", "a4", "a4", "b0", "b0"] and m["dynamic_sampling/rounds"] == 2
 
 
 def test_rounds_run_out_and_dropped_groups_fill_the_rest():
     first = fake_samples([[1, 1], [0, 0], [0, 1]], "a")
-    out, stats = fill_with_informative_groups(first, lambda n: fake_samples([[5, 5]] * n, "b"), G, torch.ones(1),
-                                              max_extra_rounds=2, pad_id=0)
-    assert stats.rounds == 3 and stats.unfilled_groups == 2
+    out, asked, m = fill(first, lambda n: fake_samples([[5, 5]] * n, "b"), max_rounds=2)
+    assert m["dynamic_sampling/rounds"] == 3 and m["dynamic_sampling/unfilled_frac"] == 2 / 3
     assert out.prompts[:2] == ["a2", "a2"] and len(out) == 6  # the informative group first, then dropped ones
 
 
 def test_whole_groups_are_required():
     with pytest.raises(ValueError, match="not a multiple of num_generations=2"):
-        fill_with_informative_groups(fake_samples([[1, 0]], "a").select([0]), None, G, torch.ones(1), 1, 0)
+        fill(fake_samples([[1, 0]], "a").select([0]), None, max_rounds=1, need=1)
 
 
 def _dataset(n=24):
@@ -148,7 +192,7 @@ def test_trainer_trains_only_on_groups_with_spread(tmp_path):
     assert all(h["frac_reward_zero_std"] == 0.0 and h["dynamic_sampling/unfilled_frac"] == 0.0 for h in logs)
     assert all(h["dynamic_sampling/rounds"] >= 1 and 0 <= h["dynamic_sampling/filtered_frac"] < 1 for h in logs)
     assert any(h["dynamic_sampling/filtered_frac"] > 0 for h in logs)  # 2 of 3 prompts are hard
-    assert trainer.pipeline.filter.refill_position > 0
+    assert trainer.pipeline.prompts.refill_position > 0
 
 
 def test_refill_position_is_checkpointed_and_restored(tmp_path):
@@ -157,11 +201,11 @@ def test_refill_position_is_checkpointed_and_restored(tmp_path):
     first = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=args, train_dataset=_dataset(), processing_class=tok)
     first.train()
     saved = json.loads(open(os.path.join(args.output_dir, "checkpoint-2", "grpokit_state_0.json")).read())
-    assert saved["refill_position"] == first.pipeline.filter.refill_position > 0
+    assert saved["refill_position"] == first.pipeline.prompts.refill_position > 0
     resumed = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path, max_steps=3),
                           train_dataset=_dataset(), processing_class=tok)
     resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
-    assert resumed.pipeline.filter.refill_position >= saved["refill_position"]
+    assert resumed.pipeline.prompts.refill_position >= saved["refill_position"]
 
 
 def test_first_round_of_later_batches_adds_what_the_keep_rate_says(tmp_path):
@@ -173,17 +217,17 @@ def test_first_round_of_later_batches_adds_what_the_keep_rate_says(tmp_path):
 
     def instrumented(trainer):
         group_filter, driver = trainer.pipeline.filter, trainer.driver
-        generate, fill = driver.generate, group_filter.fill
+        generate, first_round = driver.generate, group_filter.first_round
 
         def sized(*a, **k):  # the keep rate the batch's first round is sized by
             keep_rates.append(group_filter.last_keep_rate)
-            return fill(*a, **k)
+            return first_round(*a, **k)
 
         def counted(ids, mask, max_new_tokens=None):
             calls.append(ids.shape[0])
             return generate(ids, mask, max_new_tokens)
 
-        driver.generate, group_filter.fill = counted, sized
+        driver.generate, group_filter.first_round = counted, sized
         return trainer
 
     trainer = instrumented(GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=args, train_dataset=_dataset(),
@@ -211,7 +255,7 @@ def test_refill_stream_follows_shuffle_dataset(tmp_path, shuffle):
     tok = tiny_tokenizer()
     trainer = GRPOTrainer(tiny_model(tok), spread_only_for_easy, args=make_args(tmp_path, shuffle_dataset=shuffle),
                           train_dataset=_dataset(), processing_class=tok)
-    rows = trainer.pipeline.filter.refill_rows(3) + trainer.pipeline.filter.refill_rows(23)
+    rows = trainer.pipeline.prompts.draw(3) + trainer.pipeline.prompts.draw(23)
     names = [r["prompt"][0]["content"] for r in rows[::4]]
     assert all(rows[i] == rows[i - i % 4] for i in range(len(rows)))  # each prompt num_generations times
     if shuffle:
@@ -224,9 +268,9 @@ def test_unshuffled_refill_stream_across_ranks(tmp_path):
     """Two processes: the first generation batch took global prompts 0-3 (16 rows / 4 generations); the ranks then
     take every other prompt from there, rank 1 from q5."""
     args = make_args(tmp_path, shuffle_dataset=False)
-    rank1 = GroupFilter(_dataset(), PromptOrder(24, 16 // 4, shuffle=False), args, torch.ones(1), pad_id=0, rank=1,
-                        world_size=2)
-    assert [r["prompt"][0]["content"] for r in rank1.refill_rows(3)[::4]] == ["q5", "q7", "q9"]
+    rank1 = PromptStream(_dataset(), PromptOrder(24, 16 // 4, shuffle=False), args, torch.ones(1), rank=1,
+                         world_size=2)
+    assert [r["prompt"][0]["content"] for r in rank1.draw(3)[::4]] == ["q5", "q7", "q9"]
 
 
 def test_lora_is_merged_once_per_generation_batch_and_given_back(tmp_path, monkeypatch):

@@ -104,16 +104,16 @@ def test_trainer_skips_prompts_that_keep_scoring_alike(tmp_path):
         if p < 1:
             assert any(h["dynamic_sampling/skipped_frac"] > 0 for h in logs)
             saved = json.loads(open(os.path.join(args.output_dir, "checkpoint-6", "grpokit_state_0.json")).read())
-            assert saved["prompt_skipper"] == trainer.pipeline.filter.skipper.state_dict()
+            assert saved["prompt_skipper"] == trainer.pipeline.prompts.skipper.state_dict()
             assert max(saved["prompt_skipper"]["streaks"].values()) >= 2
             resumed = GRPOTrainer(tiny_model(tok), spread_only_for_easy,
                                   args=make_args(tmp_path / str(p), max_steps=7, dynamic_sampling_explore_prob=p),
                                   train_dataset=_dataset(), processing_class=tok)
             resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-6"))
-            assert set(saved["prompt_skipper"]["streaks"]) <= set(resumed.pipeline.filter.skipper.streaks)
-            assert resumed.pipeline.filter.skipper.draws >= saved["prompt_skipper"]["draws"] > 0  # loaded, not started afresh
+            assert set(saved["prompt_skipper"]["streaks"]) <= set(resumed.pipeline.prompts.skipper.streaks)
+            assert resumed.pipeline.prompts.skipper.draws >= saved["prompt_skipper"]["draws"] > 0  # loaded, not started afresh
         else:
-            assert trainer.pipeline.filter.skipper is None
+            assert trainer.pipeline.prompts.skipper is None
             assert all("dynamic_sampling/skipped_frac" not in h for h in logs)
     # without skipping the refill stream generates hard prompts again and again; with it, about once each (16 of them)
     assert counts[0.05][0] <= 18 < counts[1.0][0] and counts[0.05][1] <= 2 < counts[1.0][1]
@@ -178,7 +178,7 @@ def solved_failed_or_spread(completions, hard, **kw):
 def _skip_decisions(trainer) -> dict[str, list[bool]]:
     """Per prompt, every keep/skip decision the trainer's GRESO filter makes."""
     decisions: dict[str, list[bool]] = {}
-    skipper = trainer.pipeline.filter.skipper
+    skipper = trainer.pipeline.prompts.skipper
     keep = skipper.keep
 
     def recorded(row):
