@@ -10,13 +10,14 @@ hand-offs from stage to stage (docs/architecture.md):
   with GRESO's skipping (:class:`PromptStream`);
 - :mod:`.finishing`: advantages over every process, masks, log-probs (→ :class:`grpokit.batch.RolloutBatch`);
 - :mod:`.stats`: :class:`RolloutStats`, the one metrics channel;
-- :mod:`.driver`: :class:`RolloutDriver`, what the pipeline needs from whoever drives it, and
-  :class:`LearnerDriver`, what the asynchronous producer needs from the learner beyond it;
+- :mod:`.driver`: the seams, declared: what sampling needs (:class:`SamplingDriver`), what finishing needs
+  (:class:`FinishingDriver`), both (:class:`RolloutDriver`), what the asynchronous producer needs from the learner
+  (:class:`LearnerDriver`), a weight source and a producer;
 - :mod:`.producer`: asynchronous rollouts, the same pipeline driven ahead of the learner;
 - :mod:`.rollout_pipeline`: :class:`RolloutPipeline`, the stages put together.
 """
 
-from .driver import LearnerDriver, RolloutDriver
+from .driver import FinishingDriver, LearnerDriver, Producer, RolloutDriver, SamplingDriver, WeightSource
 from .filtering import FillStats, GroupFill, GroupFilter, first_round_groups, next_round_groups
 from .finishing import BatchFinisher
 from .prompt_skipping import PromptSkipper, prompt_key
@@ -27,7 +28,7 @@ from .samples import ScoredSamples, sample_and_score
 from .scoring import RolloutScorer
 from .stats import RolloutStats
 
-__all__ = ["BatchFinisher", "FillStats", "GroupFill", "GroupFilter", "GroupRepeatIterable", "GroupRepeatSampler",
-           "LearnerDriver", "PromptOrder", "PromptSkipper", "PromptStream", "RolloutDriver", "RolloutPipeline",
-           "RolloutScorer", "RolloutStats", "ScoredSamples", "first_round_groups", "next_round_groups", "prompt_key",
-           "sample_and_score"]
+__all__ = ["BatchFinisher", "FillStats", "FinishingDriver", "GroupFill", "GroupFilter", "GroupRepeatIterable",
+           "GroupRepeatSampler", "LearnerDriver", "Producer", "PromptOrder", "PromptSkipper", "PromptStream",
+           "RolloutDriver", "RolloutPipeline", "RolloutScorer", "RolloutStats", "SamplingDriver", "ScoredSamples",
+           "WeightSource", "first_round_groups", "next_round_groups", "prompt_key", "sample_and_score"]

@@ -1,4 +1,7 @@
-"""What the rollout pipeline needs from whoever drives it: declared protocols.
+"""What crosses between a learner and whatever samples, as declared protocols: what sampling needs
+(:class:`SamplingDriver`), what finishing needs (:class:`FinishingDriver`), both (:class:`RolloutDriver`), what the
+asynchronous producer needs from the learner (:class:`LearnerDriver`), a weight source (:class:`WeightSource`) and a
+producer (:class:`Producer`).
 
 The learner (:class:`grpokit.trainer_driver.TrainerDriver`, the trainer's side) offers all of it; the asynchronous
 producer's driver (:class:`grpokit.pipeline.producer.SamplerDriver`) offers the sampling half only — its own copy of
@@ -8,6 +11,7 @@ produced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -16,7 +20,9 @@ import torch
 from ..rollout.base import Generation
 
 
-class RolloutDriver(Protocol):
+class SamplingDriver(Protocol):
+    """What the sampling half (scoring, dynamic sampling) needs: it runs in whichever thread samples."""
+
     device: torch.device
     """Where prompts and completions are put for the model."""
     process_index: int
@@ -44,7 +50,19 @@ class RolloutDriver(Protocol):
         """A context around every generation call of one generation batch (the LoRA merge, once)."""
         ...
 
-    # -- the finishing half (the learner's thread) -------------------------------------------------------------------
+    def any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (sharded generation in lockstep: every process runs as many dynamic
+        sampling rounds as the one that needs most)."""
+        ...
+
+
+class FinishingDriver(Protocol):
+    """What the finishing stage needs: the learner's log-probs and the collectives (the learner's thread)."""
+
+    device: torch.device
+    process_index: int
+    num_processes: int
+
     def policy_logps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                      completion_mask: torch.Tensor, vision=None, record_routes: list | None = None,
                      force_routes: torch.Tensor | None = None, support=None,
@@ -73,12 +91,13 @@ class RolloutDriver(Protocol):
         """Every process's ``obj``, in process order."""
         ...
 
-    def any_process(self, flag: bool) -> bool:
-        ...
-
     def stop_together(self, cause: str | None) -> None:
         """Raise :class:`grpokit.user_calls.RunStopped` on every process when any process carries a stop ``cause``."""
         ...
+
+
+class RolloutDriver(SamplingDriver, FinishingDriver, Protocol):
+    """Both halves: what a driver of the whole pipeline offers (the trainer's ``TrainerDriver``)."""
 
 
 class LearnerDriver(RolloutDriver, Protocol):
@@ -105,4 +124,32 @@ class LearnerDriver(RolloutDriver, Protocol):
                       max_new_tokens: int | None = None, **images: Any) -> Generation:
         """Sample with ``model`` (the producer's copy; None: an engine holding its own weights) and the run's
         settings."""
+        ...
+
+
+class WeightSource(Protocol):
+    """Where a sampler's weights come from: a snapshot of the learner's trained weights, and loading one into the
+    sampler (the producer's copy of the policy)."""
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        ...
+
+    def load(self, snapshot: dict[str, torch.Tensor]) -> None:
+        ...
+
+
+class Producer(Protocol):
+    """What the learner drives a producer of generation batches with (:class:`grpokit.pipeline.producer.RolloutProducer`):
+    start it, publish weights after an optimizer step, take batch ``k``, close it."""
+
+    def start(self) -> None:
+        ...
+
+    def publish(self, version: int, push: Callable[[], None] | None = None) -> None:
+        ...
+
+    def take(self, k: int) -> Any:
+        ...
+
+    def close(self) -> None:
         ...

@@ -11,7 +11,7 @@ from ..algorithms.importance import sampler_importance_ratio, sampler_mismatch_m
 from ..algorithms.masked import nanstd
 from ..algorithms.sampling_support import SamplingSupport
 from ..batch import RolloutBatch
-from .driver import RolloutDriver
+from .driver import FinishingDriver
 from .samples import ScoredSamples
 from .stats import RolloutStats
 
@@ -25,7 +25,7 @@ class BatchFinisher:
         self.args, self.reward_names, self.reward_weights = args, reward_names, reward_weights
         self.reuses_batches = reuses_batches
 
-    def __call__(self, s: ScoredSamples, driver: RolloutDriver, mode: str, stats: RolloutStats,
+    def __call__(self, s: ScoredSamples, driver: FinishingDriver, mode: str, stats: RolloutStats,
                  behaviour_logps: torch.Tensor | None = None,
                  behaviour_routes: torch.Tensor | None = None) -> RolloutBatch:
         """Advantages over every process's groups, the loss mask, the log-probs the loss needs (``behaviour_logps``:
@@ -68,7 +68,7 @@ class BatchFinisher:
             stats.samples["images"] = s.images
         return batch
 
-    def _reduce_reward_logs(self, stats: RolloutStats, driver: RolloutDriver) -> None:
+    def _reduce_reward_logs(self, stats: RolloutStats, driver: FinishingDriver) -> None:
         """What reward functions logged for this batch, averaged over every process: every process takes part for
         every name any process used."""
         pending, stats.reward_logs = stats.reward_logs, {}
@@ -81,7 +81,7 @@ class BatchFinisher:
             if totals[1] > 0:
                 stats.add(name, (totals[0] / totals[1]).item())
 
-    def _advantages(self, rewards_local: torch.Tensor, driver: RolloutDriver, mode: str):
+    def _advantages(self, rewards_local: torch.Tensor, driver: FinishingDriver, mode: str):
         """Every process's rewards gathered, advantages computed, this process's slice kept. Returns ``(all rewards,
         the AdvantageResult, this process's advantages)``."""
         a = self.args
@@ -94,7 +94,7 @@ class BatchFinisher:
         n, rank = rewards_local.shape[0], driver.process_index
         return rewards, result, result.advantages[rank * n:(rank + 1) * n].to(driver.device)
 
-    def _add_logps(self, batch: RolloutBatch, driver: RolloutDriver, mode: str, stats: RolloutStats) -> None:
+    def _add_logps(self, batch: RolloutBatch, driver: FinishingDriver, mode: str, stats: RolloutStats) -> None:
         """The log-probs the loss needs besides the current policy's: the rollout policy's (``old_logps``) when the
         batch is reused across optimizer steps or the sampler is not the trainer; the reference model's when
         ``beta != 0``; and the sampler/trainer mismatch ratio with its metrics. A sampler that truncates (``top_k``,
@@ -152,7 +152,7 @@ class BatchFinisher:
             return {"force_routes": batch.sampler_routes}, recorded
         return {}, recorded
 
-    def _rollout_metrics(self, stats: RolloutStats, driver: RolloutDriver, mode: str, rewards, result, lengths_local,
+    def _rollout_metrics(self, stats: RolloutStats, driver: FinishingDriver, mode: str, rewards, result, lengths_local,
                          truncated, prompt_mask, completion_mask) -> None:
         lengths = driver.gather(lengths_local).float()
         trunc = driver.gather(truncated.float())

@@ -201,7 +201,7 @@ class RolloutProducer:
 
 
 class SamplerDriver:
-    """The producer's :class:`grpokit.pipeline.driver.RolloutDriver` for the sampling half: generation with the
+    """The producer's :class:`grpokit.pipeline.driver.SamplingDriver`: generation with the
     producer's copy of the policy (``sampler``; None for an engine holding its own weights), no collectives and no
     LoRA merge (the copy is the producer's own)."""
 
@@ -228,7 +228,8 @@ class AsyncRollouts:
     """The learner's side of asynchronous rollouts: the producer's copy of the policy, what producing generation batch
     ``k`` means (the sampling half of ``pipeline`` on the rows the dataloader would give, then the generating policy's
     log-probs), publishing weights after optimizer steps, and the staleness metrics of each batch the learner takes.
-    ``learner``: the trainer's :class:`grpokit.pipeline.driver.RolloutDriver`."""
+    ``learner``: the trainer's :class:`grpokit.pipeline.driver.LearnerDriver`. It is the producer's
+    :class:`grpokit.pipeline.driver.WeightSource` (:meth:`snapshot`, :meth:`load`)."""
 
     def __init__(self, pipeline, learner: LearnerDriver, dataset, args):
         self.pipeline, self.learner, self.args = pipeline, learner, args
@@ -251,7 +252,7 @@ class AsyncRollouts:
         driver = SamplerDriver(self.learner, self.sampler)
         self.producer = RolloutProducer(
             produce=lambda k, version: self._produce(driver, k, version),
-            load=None if holds else self._load, snapshot=self._snapshot,
+            load=None if holds else self.load, snapshot=self.snapshot,
             start_of=lambda k: (k * generate_every) // a.gradient_accumulation_steps,
             max_staleness=a.max_staleness, mode=a.staleness_mode, first_index=first, version=global_step)
         self._next_index = first
@@ -264,11 +265,13 @@ class AsyncRollouts:
         self.sampler = None
 
     # -- weights ----------------------------------------------------------------------------------------------------
-    def _snapshot(self) -> dict[str, torch.Tensor]:
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The learner's trained weights now (a :class:`grpokit.pipeline.driver.WeightSource`)."""
         with torch.no_grad():
             return {n: p.detach().clone() for n, p in self.learner.policy().named_parameters() if p.requires_grad}
 
-    def _load(self, snapshot: dict[str, torch.Tensor]) -> None:
+    def load(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """Published weights into the producer's copy of the policy."""
         with torch.no_grad():
             params = dict(self.sampler.named_parameters())
             for name, value in snapshot.items():

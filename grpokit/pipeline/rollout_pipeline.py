@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..batch import RolloutBatch
 from ..watchdog import stage
-from .driver import RolloutDriver
+from .driver import FinishingDriver, RolloutDriver, SamplingDriver
 from .filtering import GroupFilter
 from .finishing import BatchFinisher
 from .prompt_stream import PromptStream
@@ -54,7 +54,7 @@ class RolloutPipeline:
         self._taken_state: dict | None = None
 
     # -- stages ------------------------------------------------------------------------------------------------------
-    def sample(self, rows: list[dict], driver: RolloutDriver, mode: str = "train") -> tuple[ScoredSamples, RolloutStats]:
+    def sample(self, rows: list[dict], driver: SamplingDriver, mode: str = "train") -> tuple[ScoredSamples, RolloutStats]:
         """The sampling half: one scored completion per row, groups without reward spread replaced (dynamic sampling,
         training only), inside the driver's generation-batch context (the LoRA merge, once)."""
         stats = RolloutStats()
@@ -63,7 +63,7 @@ class RolloutPipeline:
                 return self._fill(rows, driver, stats), stats
             return self.scorer(rows, driver, stats), stats
 
-    def _fill(self, rows: list[dict], driver: RolloutDriver, stats: RolloutStats) -> ScoredSamples:
+    def _fill(self, rows: list[dict], driver: SamplingDriver, stats: RolloutStats) -> ScoredSamples:
         """Dynamic sampling: the batch's rows less the prompts GRESO skips, and as many refill prompts as the last
         batch's keep rate says will be dropped, in a first round; then rounds of refill prompts until the batch holds
         enough groups with reward spread or the rounds run out (every process runs as many rounds as the one that
@@ -83,7 +83,7 @@ class RolloutPipeline:
         stream.record(stats)
         return samples
 
-    def finish(self, samples: ScoredSamples, stats: RolloutStats, driver: RolloutDriver, mode: str = "train",
+    def finish(self, samples: ScoredSamples, stats: RolloutStats, driver: FinishingDriver, mode: str = "train",
                behaviour_logps=None, behaviour_routes=None) -> tuple[RolloutBatch, RolloutStats]:
         """The finishing stage (the learner's thread): advantages over every process, masks, log-probs, metrics."""
         with stage("finishing"):  # its collectives are where other ranks wait for one stuck in user code (watchdog)

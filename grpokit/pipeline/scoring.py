@@ -15,7 +15,7 @@ from ..rollout.base import context_length, stop_token_ids
 from ..tools import TurnLimits
 from ..user_calls import CallBounds
 from ..vision.inputs import pixel_dtype
-from .driver import RolloutDriver
+from .driver import SamplingDriver
 from .samples import ScoredSamples, sample_and_score
 from .stats import RolloutStats
 
@@ -41,7 +41,7 @@ class RolloutScorer:
         self.image_dtype = pixel_dtype(model)
         """The dtype a batch's pixel values are given to the model in (its weights')."""
 
-    def __call__(self, rows: list[dict], driver: RolloutDriver, stats: RolloutStats) -> ScoredSamples:
+    def __call__(self, rows: list[dict], driver: SamplingDriver, stats: RolloutStats) -> ScoredSamples:
         a = self.args
         extra: dict[str, list] = defaultdict(list)
         reward_kwargs = {
@@ -72,7 +72,7 @@ class RolloutScorer:
             s.rewards = torch.cat([s.rewards, penalty.unsqueeze(1).to(s.rewards)], 1)
         return s
 
-    def _rollout_func_turn(self, rows: list[dict], driver: RolloutDriver) -> tuple:
+    def _rollout_func_turn(self, rows: list[dict], driver: SamplingDriver) -> tuple:
         """The prompts and first replies from ``rollout_func``; its extra fields join the rows."""
         from .rollout_func import call_rollout_func, merge_fields
 

@@ -94,7 +94,10 @@ def pipeline_for(prompts: list[str], group: int = 4, **kw):
 
 
 def test_the_fake_driver_offers_what_the_protocol_declares():
-    declared = {n for n in vars(RolloutDriver) if not n.startswith("_")} | set(RolloutDriver.__annotations__)
+    halves = [c for c in RolloutDriver.__mro__ if c.__name__ in ("SamplingDriver", "FinishingDriver")]
+    assert len(halves) == 2  # both halves of the seam
+    declared = {n for c in halves for n in vars(c) if not n.startswith("_")} | {
+        n for c in halves for n in c.__annotations__}
     assert declared <= set(dir(FakeDriver)), sorted(declared - set(dir(FakeDriver)))
     sig = inspect.signature(RolloutDriver.policy_logps)
     assert {"record_routes", "force_routes", "support", "on_support"} <= set(sig.parameters)
