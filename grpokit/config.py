@@ -254,6 +254,12 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=0, metadata=_meta("Asynchronous rollouts: generate up to this many optimizer steps ahead of the learner "
                                   "with a copy of the weights (0: synchronous). TRL's async name.")
     )
+    rollout_workers: int = field(
+        default=0, metadata=_meta("Rollout workers: generate and score in this many worker processes of their own, "
+                                  "each with a copy of the policy, fed weights through shared memory after every "
+                                  "optimizer step (0: in the trainer's process). max_staleness bounds how far ahead "
+                                  "they run.")
+    )
     weight_sync_steps: int = field(
         default=1, metadata=_meta("Asynchronous rollouts: optimizer steps between weight pushes to the producer.")
     )
@@ -442,6 +448,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.number("max_staleness", 0, integer=True)
         check.number("max_tool_calling_iterations", 0, integer=True, optional=True)
         check.number("weight_sync_steps", 1, integer=True)
+        check.number("rollout_workers", 0, integer=True)
         for name in ("reward_timeout_s", "tool_timeout_s", "stall_timeout_s"):
             check.number(name, 0, lo_open=True, optional=True)
         check.number("max_tool_result_chars", 1, integer=True, optional=True)
@@ -455,6 +462,20 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                              "latest weights; use 'bounded'")
         if self.overlong_buffer_length is not None:
             check.number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
+        if self.rollout_workers:
+            self._validate_workers()
+
+    def _validate_workers(self) -> None:
+        """What rollout workers do not do yet, refused in one line each."""
+        refused = [("staleness_mode", self.staleness_mode != "bounded", "'bounded' (workers run ahead of the learner; "
+                    "'exact' generates in the learner's thread)"),
+                   ("use_vllm", self.use_vllm, "False (a vLLM client in the workers is not built yet)"),
+                   ("routing_replay", self.routing_replay != "none", "'none' (routing replay is not carried through "
+                    "workers yet)")]
+        for name, bad, allowed in refused:
+            if bad:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed with rollout_workers="
+                                 f"{self.rollout_workers}; use {allowed}, or rollout_workers=0")
 
     def _validate_loss(self, check: Checker) -> None:
         """The objective's fields, read through the loss's description (what epsilon means for it, its own

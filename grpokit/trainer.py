@@ -33,12 +33,14 @@ from .config import GRPOConfig
 from .data import is_iterable_dataset
 from .entropy_control import EntropyBonus
 from .fused_lora import fused_lora
+from .gradient_guard import guard_gradients
 from .logprobs import completion_logps
 from .metrics import MetricsStore
 from .models import cast_lm_head_to_fp32
 from .moe import MoeRouting
 from .pipeline import GroupRepeatIterable, GroupRepeatSampler
 from .pipeline.producer import AsyncRollouts
+from .pipeline.workers import RolloutWorkers, check_crossing
 from .reference import ReferenceWeights, check_sync_ref_model, mix_into_reference
 from .run_dir import run_signature, save_signature
 from .sharding import sharding_kind
@@ -127,6 +129,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self.rollout_func = rollout_func
         train_dataset = default_dataset(train_dataset, environment_factory, args)
         check_datasets(args, train_dataset, eval_dataset)
+        check_crossing(args, reward_funcs, tools, environment_factory, rollout_func, train_dataset)  # rollout_workers
         transformers.set_seed(args.seed)  # before the model and its adapter are made: LoRA's init is random
         model, processing_class = load_policy(model, model_id, processing_class, args, quantization_config)
         check_vocabulary(model, processing_class)
@@ -186,8 +189,9 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self.weight_average = start_weight_average(a.ema_decay, self.accelerator.unwrap_model(self.model), sharding)
         if self._resume_checkpoint:
             load_parts(self.checkpoint_parts(), self._resume_checkpoint, a.process_index, a.world_size)
-        if a.max_staleness > 0:
-            producer = AsyncRollouts(self.pipeline, self.driver, self.train_dataset, a)
+        if a.max_staleness > 0 or a.rollout_workers > 0:
+            kind = RolloutWorkers if a.rollout_workers > 0 else AsyncRollouts  # processes, or a thread
+            producer = kind(self.pipeline, self.driver, self.train_dataset, a)
             self.pipeline.run_ahead(producer, lambda: producer.start(state.global_step, self.rollout_buffer.generate_every))
 
     def checkpoint_parts(self) -> list:
@@ -250,27 +254,9 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         return f"{self.args.output_dir}/checkpoint-{self.state.global_step}"
 
     def guard_gradients(self, state) -> None:
-        """Before an optimizer step: a non-finite gradient never reaches the weights. Raise (the step is not taken)
-        or, with ``skip_nonfinite_steps``, drop the gradients so the optimizer leaves every parameter and its state
-        as is."""
-        if self.is_deepspeed_enabled or getattr(self.accelerator, "scaler", None) is not None:
-            return  # DeepSpeed and the fp16 grad scaler skip overflowing steps themselves
-        norm, self._last_grad_norm = getattr(self, "_last_grad_norm", None), None
-        if norm is not None and bool(torch.isfinite(torch.as_tensor(norm))):
-            return  # the Trainer's gradient norm, taken just before, is finite: so is every gradient (no 2nd pass)
-        params = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
-        if not params or torch.stack([torch.isfinite(p.grad).all() for _, p in params]).all():
-            return
-        bad = [n for n, p in params if not torch.isfinite(p.grad).all()]
-        self.model.zero_grad(set_to_none=True)
-        if self.args.skip_nonfinite_steps:
-            self.record_metric("skipped_nonfinite", 1.0)
-            return
-        raise FloatingPointError(
-            f"non-finite gradients in {len(bad)} of {len(params)} parameters (first: {bad[0]}) at step "
-            f"{state.global_step + 1}; the weights were not updated. Lower the learning rate or max_grad_norm, check "
-            "the rewards, or set skip_nonfinite_steps=True to skip such steps"
-        )
+        """Before an optimizer step: a non-finite gradient never reaches the weights (:mod:`grpokit.gradient_guard`)."""
+        norm, self._last_grad_norm = getattr(self, "_last_grad_norm", None), None  # the Trainer's, just taken
+        guard_gradients(self, state, norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         # kept for guard_gradients, which runs right after (on_pre_optimizer_step)

@@ -99,6 +99,10 @@ class TrainerDriver:
         return self.trainer.rollout.generate(model if model is not None else self.policy(), prompt_ids, prompt_mask,
                                              self._params(max_new_tokens), **images)
 
+    def sampler_setup(self) -> tuple:
+        """The rollout backend and the run's sampling settings, for a rollout worker process."""
+        return self.trainer.rollout, self._params(None)
+
     def _params(self, max_new_tokens: int | None) -> SamplingParams:
         params = sampling_params(self.trainer.args)
         params.record_routes = self.trainer.moe.records_generation

@@ -126,6 +126,11 @@ class LearnerDriver(RolloutDriver, Protocol):
         settings."""
         ...
 
+    def sampler_setup(self) -> tuple[Any, Any]:
+        """The rollout backend and the run's sampling settings (:class:`grpokit.rollout.base.SamplingParams`): what a
+        rollout worker process generates with, around its own copy of the policy."""
+        ...
+
 
 class WeightSource(Protocol):
     """Where a sampler's weights come from: a snapshot of the learner's trained weights, and loading one into the

@@ -69,6 +69,8 @@ class ProducedBatch:
     """What producing it measured; the learner adds what finishing it measures."""
     pipeline_state: dict[str, Any] = field(default_factory=dict)
     """The pipeline's state right after producing it (what a checkpoint taken once the learner has it holds)."""
+    producer_idle_s: float = 0.0
+    """A rollout worker's time waiting for weights so far (:mod:`grpokit.pipeline.workers`)."""
 
 
 class RolloutProducer:
@@ -258,6 +260,10 @@ class AsyncRollouts:
         self._next_index = first
         self.producer.start()
 
+    def initial_state(self) -> dict:
+        """What a checkpoint holds until the learner takes a batch: a copy of the pipeline's state now."""
+        return copy.deepcopy(self.pipeline.sampling_state_dict())
+
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
@@ -285,28 +291,7 @@ class AsyncRollouts:
 
     # -- producing (in the producer's thread in bounded mode) ---------------------------------------------------------
     def _produce(self, driver: SamplerDriver, k: int, version: int) -> ProducedBatch:
-        samples, stats = self.pipeline.sample(self.rows(k), driver)
-        behaviour, routes = samples.generation.sampler_logps, None
-        if self.sampler is not None:
-            device, gen = driver.device, samples.generation
-            replay = self.args.routing_replay
-            routes = [] if replay == "old" else None
-            force = torch.cat([gen.prompt_routes, gen.completion_routes], 1) \
-                if replay == "rollout" and gen.prompt_routes is not None else None
-            with torch.no_grad():  # a Mixture-of-Experts behaviour pass routes as the loss's forward will
-                behaviour = recorded_forward(
-                    find_routers(self.sampler) if replay != "none" else None, len(samples),
-                    samples.prompt_ids.shape[1] + gen.completion_ids.shape[1],
-                    lambda: completion_logps(
-                        self.sampler, samples.prompt_ids.to(device), samples.prompt_mask.to(device),
-                        gen.completion_ids.to(device), gen.completion_mask.to(device),
-                        temperature=self.args.temperature, compute_entropy=False,
-                        batch_size=self.args.per_device_train_batch_size,
-                        vision=samples.vision.to(device) if samples.vision is not None else None)[0],
-                    record=routes, force=force)
-        return ProducedBatch(index=k, version=version, samples=samples, behaviour_logps=behaviour, stats=stats,
-                             pipeline_state=copy.deepcopy(self.pipeline.sampling_state_dict()),
-                             behaviour_routes=routes[0] if routes else None)
+        return produce_batch(self.pipeline, self.rows(k), driver, self.sampler, self.args, k, version)
 
     # -- the learner taking a batch ---------------------------------------------------------------------------------
     def next_batch(self, version: int, is_main_process: bool) -> ProducedBatch:
@@ -329,3 +314,33 @@ class AsyncRollouts:
         stats.add("perf/producer_idle_s", idle - self._idle)
         self._waited, self._idle = waited, idle
         return batch
+
+
+def produce_batch(pipeline, rows: list[dict], driver, sampler: torch.nn.Module | None, args, k: int,
+                  version: int) -> ProducedBatch:
+    """Generation batch ``k`` produced ahead of the learner with ``sampler`` (the producer's copy of the policy at
+    ``version``; None: an engine holding its own weights, whose sampler log-probs are the behaviour's): the sampling
+    half of ``pipeline`` on ``rows``, then the generating policy's log-probs of the completions (a Mixture-of-Experts
+    sampler's forward routing as the loss's will), and the pipeline's state after it."""
+    samples, stats = pipeline.sample(rows, driver)
+    behaviour, routes = samples.generation.sampler_logps, None
+    if sampler is not None:
+        device, gen = driver.device, samples.generation
+        replay = args.routing_replay
+        routes = [] if replay == "old" else None
+        force = torch.cat([gen.prompt_routes, gen.completion_routes], 1) \
+            if replay == "rollout" and gen.prompt_routes is not None else None
+        with torch.no_grad(), stage("behaviour log-probs"):
+            behaviour = recorded_forward(
+                find_routers(sampler) if replay != "none" else None, len(samples),
+                samples.prompt_ids.shape[1] + gen.completion_ids.shape[1],
+                lambda: completion_logps(
+                    sampler, samples.prompt_ids.to(device), samples.prompt_mask.to(device),
+                    gen.completion_ids.to(device), gen.completion_mask.to(device),
+                    temperature=args.temperature, compute_entropy=False,
+                    batch_size=args.per_device_train_batch_size,
+                    vision=samples.vision.to(device) if samples.vision is not None else None)[0],
+                record=routes, force=force)
+    return ProducedBatch(index=k, version=version, samples=samples, behaviour_logps=behaviour, stats=stats,
+                         pipeline_state=copy.deepcopy(pipeline.sampling_state_dict()),
+                         behaviour_routes=routes[0] if routes else None)

@@ -10,7 +10,6 @@ learner's thread. Everything the stages need from outside comes through a :class
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -52,6 +51,8 @@ class RolloutPipeline:
         """The time bounds on user code and the run's stop flag (grpokit/user_calls.py)."""
         self.producer: AsyncRollouts | None = None
         self._taken_state: dict | None = None
+        self.loaded_state: dict | None = None
+        """The state a checkpoint gave (:meth:`load_state_dict`), as it was; None for a fresh run."""
 
     # -- stages ------------------------------------------------------------------------------------------------------
     def sample(self, rows: list[dict], driver: SamplingDriver, mode: str = "train") -> tuple[ScoredSamples, RolloutStats]:
@@ -108,10 +109,10 @@ class RolloutPipeline:
     # -- asynchronous rollouts ---------------------------------------------------------------------------------------
     def run_ahead(self, producer: AsyncRollouts, start: Callable[[], None]) -> None:
         """From now on, training batches come from ``producer``: the pipeline's state is copied (what a checkpoint
-        holds until the learner takes a batch), then ``start()`` starts the producer's thread, which owns the live
-        state from that moment (copying it after the thread started would read it while that thread writes it)."""
+        holds until the learner takes a batch: ``producer.initial_state()``), then ``start()`` starts the producer's
+        thread, which owns the live state from that moment (copying it after the thread started would read it while that thread writes it)."""
         self.producer = producer
-        self._taken_state = copy.deepcopy(self.sampling_state_dict())
+        self._taken_state = producer.initial_state()
         start()
 
     def stop(self) -> None:
@@ -137,7 +138,16 @@ class RolloutPipeline:
         return self._taken_state if self._taken_state is not None else self.sampling_state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self._taken_state = None
+        """A checkpoint's state. One written by rollout workers (``rollout_workers``: each worker's own) is kept for
+        the workers (:attr:`loaded_state`), and refused by a run without them."""
+        self._taken_state, self.loaded_state = None, state
+        if "worker_states" in state:
+            if not self.scorer.args.rollout_workers:
+                raise ValueError(f"rollout_workers=0 does not match the checkpoint, written with rollout_workers="
+                                 f"{len(state['worker_states'])}: each worker's prompt stream was saved; resume with "
+                                 f"rollout_workers={len(state['worker_states'])}")
+            self._taken_state = state
+            return
         if self.filter is not None:
             self.prompts.load_state_dict(state)
             self.filter.load_state_dict(state)
