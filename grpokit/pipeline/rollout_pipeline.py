@@ -110,7 +110,8 @@ class RolloutPipeline:
     def run_ahead(self, producer: AsyncRollouts, start: Callable[[], None]) -> None:
         """From now on, training batches come from ``producer``: the pipeline's state is copied (what a checkpoint
         holds until the learner takes a batch: ``producer.initial_state()``), then ``start()`` starts the producer's
-        thread, which owns the live state from that moment (copying it after the thread started would read it while that thread writes it)."""
+        thread, which owns the live state from that moment (copying it after the thread started would read it while
+        that thread writes it)."""
         self.producer = producer
         self._taken_state = producer.initial_state()
         start()
