@@ -76,9 +76,11 @@ class WeightSlots:
               copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Publish ``tensors`` (by name, as in the layout) as ``version``, into the slot holding the older one.
         ``copy(destination, source)``: how each tensor is copied (a test tears a publication with it)."""
-        versions = self.header[:, 1].tolist()
+        versions = self.versions()  # a slot torn mid-write counts as empty: the one overwritten first
         slot = 0 if versions[0] <= versions[1] else 1
-        self.header[slot, 0] += 1  # odd: being written
+        sequence = int(self.header[slot, 0])
+        self.header[slot, 0] = sequence + 1 if sequence % 2 == 0 else sequence + 2  # odd: being written (a torn
+        # earlier write left it odd: it stays so)
         with torch.no_grad():
             for (name, _, _), dest in zip(self.layout, self._tensors(slot)):
                 (copy or torch.Tensor.copy_)(dest, tensors[name].detach())
