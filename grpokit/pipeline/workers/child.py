@@ -112,7 +112,7 @@ class Worker:
         self.params = dict(self.sampler.named_parameters())
         self.driver = WorkerDriver(self.sampler, parts["backend"], parts["params"], torch.device(spec["device"]),
                                    spec["rank"], spec["world_size"], spec["trainer_state"])
-        self.loaded = self.published = spec["version"]
+        self.loaded, self.published = spec["version"], spec["published"]  # the arena's weights; the newest slot's
         self.driver.version = self.loaded
         self.idle_s = 0.0
 
