@@ -256,3 +256,37 @@ def test_the_stall_watchdog_names_the_stuck_worker(tmp_path):
     assert pid, reports
     assert "waiting for rollouts (worker 0, pid " in pid[0] and "scoring (function 'stuck_at_the_second_batch')" \
         in pid[0], pid[0]
+
+
+def test_sigkill_of_the_trainer_leaves_no_worker_and_the_resume_trains_the_same_prompts(tmp_path):
+    """The trainer killed with SIGKILL at step 3 (the last checkpoint at step 2): its workers end with it (the
+    kernel's parent-death signal), and the resumed run trains steps 3-6 on the prompts the uninterrupted run does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("record_run.py")
+
+    def run(out, *extra):
+        return subprocess.run([sys.executable, str(script), str(out), *extra], capture_output=True, text=True,
+                              timeout=900)
+
+    whole = run(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = run(tmp_path / "cut", "--kill-at", "3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    pids = [int(p) for p in (tmp_path / "cut" / "pids.txt").read_text().split()]
+    assert len(set(pids)) == 2
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "a worker outlived the trainer's SIGKILL"
+        time.sleep(0.1)
+    resumed = run(tmp_path / "cut", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    def trained(out):
+        return [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
+
+    expected, cut = trained(tmp_path / "whole"), trained(tmp_path / "cut")
+    assert len(expected) == 6 and len(cut) == 3 + 4  # steps 1-3 before the kill, 3-6 after the resume
+    assert cut[:2] + cut[3:] == expected
