@@ -321,10 +321,11 @@ def produce_batch(pipeline, rows: list[dict], driver, sampler: torch.nn.Module |
     """Generation batch ``k`` produced ahead of the learner with ``sampler`` (the producer's copy of the policy at
     ``version``; None: an engine holding its own weights, whose sampler log-probs are the behaviour's): the sampling
     half of ``pipeline`` on ``rows``, then the generating policy's log-probs of the completions (a Mixture-of-Experts
-    sampler's forward routing as the loss's will), and the pipeline's state after it."""
+    sampler's forward routing as the loss's will; none with ``max_staleness=0``, where the batch trains at the version
+    that generated it and the learner's own log-probs are the behaviour's), and the pipeline's state after it."""
     samples, stats = pipeline.sample(rows, driver)
     behaviour, routes = samples.generation.sampler_logps, None
-    if sampler is not None:
+    if sampler is not None and args.max_staleness > 0:  # (at 0 the batch trains at its own version: on-policy)
         device, gen = driver.device, samples.generation
         replay = args.routing_replay
         routes = [] if replay == "old" else None

@@ -4,7 +4,6 @@ a worker is named before the model loads."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

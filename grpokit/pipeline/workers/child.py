@@ -1,4 +1,4 @@
-"""A rollout worker process (``python -m grpokit.pipeline.workers.child``): the sampling half of the pipeline —
+"""A rollout worker process (``python -m grpokit.pipeline.workers``): the sampling half of the pipeline —
 generation, rewards, tools, environments, dynamic sampling, prompt skipping — with its own copy of the policy. The
 learner's side is :mod:`grpokit.pipeline.workers.pool`.
 
@@ -205,7 +205,3 @@ def main() -> int:
             pass
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -154,7 +154,7 @@ class WorkerPool:
 
     def _spawn(self, index: int, first: int) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen([sys.executable, "-m", "grpokit.pipeline.workers.child"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "grpokit.pipeline.workers"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, start_new_session=True,
                                 pass_fds=(self.arena.fd, self.slots.shared.fd, self.status.shared.fd))
         worker = _Worker(index, proc)
@@ -275,6 +275,13 @@ class _Doing:
             return "unknown"
 
 
+def worker_threads(n: int) -> int:
+    """Each worker's torch threads: the CPU's cores shared among the learner and ``n`` workers (one at least). More
+    would oversubscribe the cores while workers generate beside the learner's step (measured on 2 cores: two threads
+    in one worker beside the learner's two made a step 7x slower)."""
+    return max(1, (os.cpu_count() or 1) // (n + 1))
+
+
 class RolloutWorkers(AsyncRollouts):
     """:class:`grpokit.pipeline.producer.AsyncRollouts` with the sampling half in ``rollout_workers`` processes:
     publishing, staleness accounting and the batch the learner takes are the same; the producer is a
@@ -292,7 +299,7 @@ class RolloutWorkers(AsyncRollouts):
         payload = {"args": a, "rows": self.rows, "sampler": policy, "backend": backend, "params": params,
                    "scorer": scorer, "filter": p.filter, "prompts": p.prompts, "order": p.order}
         spec = {"workers": n, "rank": a.process_index, "world_size": a.world_size, "device": str(self.learner.device),
-                "threads": max(1, (os.cpu_count() or 1) // (n + 1)), "max_staleness": a.max_staleness,
+                "threads": worker_threads(n), "max_staleness": a.max_staleness,
                 "generate_every": generate_every, "gradient_accumulation_steps": a.gradient_accumulation_steps}
         self.producer = WorkerPool(n, spec, payload, trainable=self._trainable,
                                    trainer_state=lambda: self.learner.trainer_state,
