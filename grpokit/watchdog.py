@@ -8,8 +8,10 @@ one-paragraph description of every thread's stages (:func:`describe`), and again
 without progress.
 
 Stages marked by grpokit: ``generation``, ``rollout_func``, ``environment`` (``reset``, with the row), ``tool``
-(with its name and row), ``scoring`` (with the reward function), and ``waiting for rollouts`` (the learner of
-asynchronous rollouts waiting for its producer thread, which marks its own stages).
+(with its name and row), ``scoring`` (with the reward function), ``behaviour log-probs`` (an asynchronous producer's
+pass over what it generated), ``waiting for rollouts`` (the learner of asynchronous rollouts waiting for its producer
+thread, which marks its own stages, or for a rollout worker process: with its index, pid and what it is doing),
+``starting a rollout worker`` and ``publishing weights``.
 """
 
 from __future__ import annotations
