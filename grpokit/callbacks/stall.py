@@ -76,12 +76,19 @@ class StallWatchdog(TrainerCallback):
         self._say(line)
         if a.stall_action != "save_and_exit":
             return
-        self._say(f"grpokit: {self._checkpoint()}; exiting with status {STALL_EXIT_CODE} (stall_action="
-                  "'save_and_exit')")
+        done, rendezvous = self._checkpoint()
+        self._say(f"grpokit: {done}; exiting with status {STALL_EXIT_CODE} (stall_action='save_and_exit')")
+        if rendezvous is not None:  # no rank ends (and has the launcher end the others) before every rank said it
+            try:
+                rendezvous.wait("said", timeout_s=VOTE_BOUND_S)
+            except RendezvousTimeout:
+                pass
+            rendezvous.close()
         self.exit(STALL_EXIT_CODE)
 
-    def _checkpoint(self) -> str:
-        """Save a checkpoint where that is consistent; what happened, in words."""
+    def _checkpoint(self) -> tuple[str, FileRendezvous | None]:
+        """Save a checkpoint where that is consistent; what happened, in words, and the ranks' rendezvous (None for
+        one process) for their last meeting."""
         from ..run_dir import latest_checkpoint
 
         t = self.trainer
@@ -99,16 +106,15 @@ class StallWatchdog(TrainerCallback):
             if t.args.world_size > 1:
                 rendezvous, unsafe = self._agree(unsafe)
             if unsafe is not None:
-                return f"no checkpoint written ({unsafe}); {keep}"
+                return f"no checkpoint written ({unsafe}); {keep}", rendezvous
             path = t.save_stalled_checkpoint(rendezvous)
-        except RendezvousTimeout as e:
-            return f"no checkpoint written ({e}); {keep}"
-        except Exception as e:  # noqa: BLE001 - the exit must still happen, with the reason said
-            return f"the checkpoint could not be written ({type(e).__name__}: {e}); {keep}"
-        finally:
+        except RendezvousTimeout as e:  # a rank did not come: no last meeting either
             if rendezvous is not None:
                 rendezvous.close()
-        return f"checkpoint saved to {path}; continue with --resume (Python: resume_from_checkpoint='auto')"
+            return f"no checkpoint written ({e}); {keep}", None
+        except Exception as e:  # noqa: BLE001 - the exit must still happen, with the reason said
+            return f"the checkpoint could not be written ({type(e).__name__}: {e}); {keep}", rendezvous
+        return f"checkpoint saved to {path}; continue with --resume (Python: resume_from_checkpoint='auto')", rendezvous
 
     def _agree(self, unsafe: str | None) -> tuple[FileRendezvous, str | None]:
         """Several processes: every rank's watchdog says whether its own training thread is at a consistent point
