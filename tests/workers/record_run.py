@@ -16,16 +16,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from runs import run_args  # noqa: E402
-from test_workers_trainer import dataset, spread_if_easy  # noqa: E402
-from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from test_workers_trainer import KILLED, make, spread_if_easy  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
-
-from grpokit.trainer import GRPOTrainer  # noqa: E402
-
-SETTINGS = dict(rollout_workers=2, max_staleness=1, dynamic_sampling=True, dynamic_sampling_max_rounds=4,
-                dynamic_sampling_explore_prob=0.5, max_steps=6, max_completion_length=6, learning_rate=5e-2,
-                save_strategy="steps", save_steps=2)
 
 
 def main() -> None:
@@ -44,9 +36,7 @@ def main() -> None:
             if state.global_step == a.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    tok = tiny_tokenizer()
-    trainer = GRPOTrainer(tiny_model(tok), spread_if_easy, args=run_args(out / "run", **SETTINGS),
-                          train_dataset=dataset(), processing_class=tok, callbacks=[Record()])
+    trainer = make(out / "run", spread_if_easy, callbacks=[Record()], **KILLED)
     finish = trainer.pipeline.finish
 
     def record(samples, stats, driver, mode="train", **kw):

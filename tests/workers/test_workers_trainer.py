@@ -158,11 +158,24 @@ def test_behaviour_logps_are_the_published_weights_own(tmp_path, lora, monkeypat
     assert all(g < 1e-4 for v, g in skipped if v == 0) and max(g for v, g in skipped if v > 0) > 1e-3, skipped
 
 
-def test_a_killed_worker_is_restarted_and_no_prompt_is_lost_or_trained_twice(tmp_path):
-    kw = dict(rollout_workers=2, max_staleness=1, dynamic_sampling=True, dynamic_sampling_max_rounds=4, max_steps=6)
-    whole = make(tmp_path / "whole", spread_if_easy, **kw)
+FAULTS = dict(rollout_workers=2, max_staleness=1, dynamic_sampling=True, dynamic_sampling_max_rounds=4,
+              dynamic_sampling_explore_prob=0.5, max_steps=5, save_strategy="steps", save_steps=100)
+"""The settings of the fault tests: two workers running ahead, dynamic sampling and prompt skipping (each worker's
+refill stream, keep rate and streaks: its state)."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list:
+    """The prompts an uninterrupted run with :data:`FAULTS` trains on, batch by batch."""
+    whole = make(tmp_path_factory.mktemp("whole"), spread_if_easy, **FAULTS)
     expected = record_trained(whole)
     whole.train()
+    assert len(expected) == 5
+    return expected
+
+
+def test_a_killed_worker_is_restarted_and_no_prompt_is_lost_or_trained_twice(tmp_path, uninterrupted):
+    kw, expected = FAULTS, uninterrupted
 
     killed = []
 
@@ -183,17 +196,13 @@ def test_a_killed_worker_is_restarted_and_no_prompt_is_lost_or_trained_twice(tmp
     assert not worker_children()
 
 
-def test_stopped_by_sigterm_and_resumed_it_trains_on_the_prompts_of_an_uninterrupted_run(tmp_path):
-    kw = dict(rollout_workers=2, max_staleness=2, dynamic_sampling=True, dynamic_sampling_max_rounds=4,
-              dynamic_sampling_explore_prob=0.5, max_steps=7, save_strategy="steps", save_steps=100)
-    whole = make(tmp_path / "whole", spread_if_easy, **kw)
-    expected = record_trained(whole)
-    whole.train()
+def test_stopped_by_sigterm_and_resumed_it_trains_on_the_prompts_of_an_uninterrupted_run(tmp_path, uninterrupted):
+    kw, expected = FAULTS, uninterrupted
 
     class Term(TrainerCallback):
         def on_step_end(self, args, state, control, **k):
             if state.global_step == 3:
-                time.sleep(1.0)  # let the workers run ahead (and move their state) before the stop
+                time.sleep(0.5)  # let the workers run ahead (and move their state) before the stop
                 signal.raise_signal(signal.SIGTERM)
 
     first = make(tmp_path / "cut", spread_if_easy, callbacks=[Term()], **kw)
@@ -239,15 +248,15 @@ def test_a_worker_that_fails_at_start_stops_the_run_in_one_line(tmp_path):
     assert not worker_children()
 
 
-def raises_at_the_third_batch(completions, trainer_state, **kw):
+def raises_at_the_second_batch(completions, trainer_state, **kw):
     if trainer_state.global_step >= 1:
         raise ValueError("the grader is broken")
     return [len(set(c[0]["content"])) / 8 for c in completions]
 
 
 def test_no_worker_is_left_after_an_error_or_sigint(tmp_path):
-    t = make(tmp_path / "error", raises_at_the_third_batch, rollout_workers=2, max_staleness=0)
-    with pytest.raises(RolloutWorkerError, match=r"rollout worker 1 \(pid \d+\) failed: RewardFunctionError: .*the "
+    t = make(tmp_path / "error", raises_at_the_second_batch, rollout_workers=1, max_staleness=0)
+    with pytest.raises(RolloutWorkerError, match=r"rollout worker 0 \(pid \d+\) failed: RewardFunctionError: .*the "
                                                  "grader is broken"):
         t.train()
     assert not worker_children()
@@ -279,9 +288,14 @@ def test_the_stall_watchdog_names_the_stuck_worker(tmp_path):
         in pid[0], pid[0]
 
 
+KILLED = dict(rollout_workers=1, max_staleness=1, dynamic_sampling=True, dynamic_sampling_max_rounds=4,
+              dynamic_sampling_explore_prob=0.5, max_steps=5, save_strategy="steps", save_steps=2)
+"""The settings of the run killed with SIGKILL (record_run.py)."""
+
+
 def test_sigkill_of_the_trainer_leaves_no_worker_and_the_resume_trains_the_same_prompts(tmp_path):
-    """The trainer killed with SIGKILL at step 3 (the last checkpoint at step 2): its workers end with it (the
-    kernel's parent-death signal), and the resumed run trains steps 3-6 on the prompts the uninterrupted run does."""
+    """The trainer killed with SIGKILL at step 3 (the last checkpoint at step 2): its worker ends with it (the
+    kernel's parent-death signal), and the resumed run trains steps 3-5 on the prompts the uninterrupted run does."""
     import subprocess
     import sys
     from pathlib import Path
@@ -292,12 +306,13 @@ def test_sigkill_of_the_trainer_leaves_no_worker_and_the_resume_trains_the_same_
         return subprocess.run([sys.executable, str(script), str(out), *extra], capture_output=True, text=True,
                               timeout=900)
 
-    whole = run(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    whole = make(tmp_path / "whole", spread_if_easy, **KILLED)  # the uninterrupted run, here
+    expected = record_trained(whole)
+    whole.train()
     killed = run(tmp_path / "cut", "--kill-at", "3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     pids = [int(p) for p in (tmp_path / "cut" / "pids.txt").read_text().split()]
-    assert len(set(pids)) == 2
+    assert len(set(pids)) == 1
     deadline = time.monotonic() + 30
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, "a worker outlived the trainer's SIGKILL"
@@ -308,6 +323,6 @@ def test_sigkill_of_the_trainer_leaves_no_worker_and_the_resume_trains_the_same_
     def trained(out):
         return [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
 
-    expected, cut = trained(tmp_path / "whole"), trained(tmp_path / "cut")
-    assert len(expected) == 6 and len(cut) == 3 + 4  # steps 1-3 before the kill, 3-6 after the resume
+    cut = trained(tmp_path / "cut")
+    assert len(expected) == 5 and len(cut) == 3 + 3  # steps 1-3 before the kill, 3-5 after the resume
     assert cut[:2] + cut[3:] == expected
