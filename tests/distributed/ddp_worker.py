@@ -6,7 +6,7 @@ the advantages and completions of every generation batch to ``OUT/<loss>-rank<r>
 
     python ddp_worker.py OUT PER_DEVICE GA LOSS[,LOSS...] [--fail-rank R] [--num-generations G]
                          [--shard fsdp2|zero3] [--real-rollout] [--no-gather] [--fake-vllm-server]
-                         [--top-entropy Q] [--lora] [--adamw] [--save-steps] [--resume CHECKPOINT] [--moe]
+                         [--top-entropy Q] [--lora] [--adamw] [--save-steps] [--resume CHECKPOINT] [--moe] [--workers]
                          [++ OUT PER_DEVICE GA LOSS[,LOSS...] [flags] ...]
 
 ``++`` separates runs made one after another by the same processes (one launch, ~10 s of imports, for several).
@@ -19,6 +19,8 @@ sample with transformers ``generate`` (seeded), stopping at any of 60 token ids 
 at different lengths. ``--no-gather``: ``ds3_gather_for_generation=False`` (generation in lockstep on shards).
 ``--fake-vllm-server``: ``use_vllm=True, vllm_mode="server"`` with :class:`FakeServer` in place of TRL's client.
 ``--lora``: a PEFT LoRA adapter (r 4 on q/v, initialised non-zero so merging it for generation changes tokens).
+``--workers``: one rollout worker process per rank (``rollout_workers=1``, ``max_staleness=1``, the default rollout
+backend); each rank records the prompts of every batch it trains on and its weights' sum after every step.
 ``--adamw``: AdamW (lr 0.01) instead of plain SGD, so the optimizer has state to checkpoint. ``--save-steps``: a
 checkpoint after every step. ``--resume CHECKPOINT``: resume from it. ``--moe``: a tiny Qwen3-MoE policy with
 ``routing_replay="rollout"``, sampled with its routers perturbed (``tiny_moe.ShiftedRouters``); each rank counts the
@@ -185,7 +187,7 @@ def shard_args(shard: str | None) -> dict:
 def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank: int | None = None,
         num_generations: int = 4, shard: str | None = None, real_rollout: bool = False, gather: bool = True,
         fake_server: bool = False, top_entropy: float = 1.0, lora: bool = False, adamw: bool = False,
-        save_steps: bool = False, resume: str | None = None, moe: bool = False) -> None:
+        save_steps: bool = False, resume: str | None = None, moe: bool = False, workers: bool = False) -> None:
     tok = tiny_tokenizer()
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i} + {i}"}] for i in range(32)]})
     servers = []
@@ -212,6 +214,7 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             generation_kwargs={"eos_token_id": STOP_IDS} if real_rollout else None, **shard_args(shard),
             **(dict(use_vllm=True, vllm_mode="server") if fake_server else {}),
             **(dict(routing_replay="rollout") if moe else {}),
+            **(dict(rollout_workers=1, max_staleness=1) if workers else {}),
         )
         rewards = [reward if fail_rank is None else failing_reward(fail_rank)]
         peft_config = None
@@ -221,17 +224,26 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
         trainer = CpuFSDPTrainer(model, rewards, args=args, train_dataset=ds, processing_class=tok,
                                  rollout_backend=ShiftedRouters(tok) if moe else None if real_rollout or fake_server
-                                 else GlobalRowRollout(tok),
+                                 or workers else GlobalRowRollout(tok),
                                  peft_config=peft_config)
-        advantages, completions = [], []
+        advantages, completions, prompts, checksums = [], [], [], []
+        if workers:  # the trained weights after every step, to compare across ranks
+            from transformers import TrainerCallback
 
-        def recording(original, trainer=trainer, advantages=advantages, completions=completions):
+            class Checksums(TrainerCallback):
+                def on_step_end(self, args, state, control, trainer=trainer, checksums=checksums, **kw):
+                    checksums.append(sum(float(p.double().sum()) for p in trainer.model.parameters()))
+
+            trainer.add_callback(Checksums())
+
+        def recording(original, trainer=trainer, advantages=advantages, completions=completions, prompts=prompts):
             def run(rows, driver):
                 # the same stream in every run, a resumed one included: seeded by rank and step
                 torch.manual_seed(1234 + 100 * rank_and_world()[0] + trainer.state.global_step)
                 batch, stats = original(rows, driver)
                 advantages.append(batch.advantages.detach().clone())
                 completions.append((batch.completion_ids * batch.completion_mask).detach().clone())
+                prompts.append([tuple(r[m.bool()].tolist()) for r, m in zip(batch.prompt_ids, batch.prompt_mask)])
                 return batch, stats
             return run
 
@@ -254,6 +266,8 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
             "advantages": advantages,
             "logs": trainer.state.log_history,
             "moe": replay,
+            "prompts": prompts,
+            "checksums": checksums,
         }, os.path.join(out_dir, f"{loss_type}-rank{rank}.pt"))
 
 
@@ -269,7 +283,7 @@ def parse(argv: list[str]) -> dict:
             kw[name] = kind(argv[i + 1])
             argv = argv[:i] + argv[i + 2:]
     switches = {"--real-rollout": "real_rollout", "--fake-vllm-server": "fake_server", "--lora": "lora",
-                "--adamw": "adamw", "--save-steps": "save_steps", "--moe": "moe"}
+                "--adamw": "adamw", "--save-steps": "save_steps", "--moe": "moe", "--workers": "workers"}
     kw.update({name: flag in argv for flag, name in switches.items()})
     kw["gather"] = "--no-gather" not in argv
     argv = [a for a in argv if a not in switches and a != "--no-gather"]

@@ -19,11 +19,11 @@ def runs(tmp_path_factory, one_rank):
     GA 2, the same 8-row generation batches); 2 rows each with G = 4, every group split across the ranks (against
     one rank × 2 rows × GA 2); 4 rows each with ``top_entropy_quantile`` 0.3 (against one rank × 8 rows). The
     one-rank references come from the ``one_rank`` fixture. And a tiny Mixture-of-Experts policy with routing replay
-    on both ranks."""
+    on both ranks, and a run with a rollout worker process on each rank."""
     root = tmp_path_factory.mktemp("ddp")
     torchrun_several([(root / "two", ["4", "1", ",".join(LOSSES)]), (root / "split2", ["2", "1", "dapo"]),
                       (root / "top-entropy", ["4", "1", "dapo", "--top-entropy", "0.3"]),
-                      (root / "moe", ["4", "1", "dapo", "--moe"])])
+                      (root / "moe", ["4", "1", "dapo", "--moe"]), (root / "workers", ["4", "1", "dapo", "--workers"])])
     (root / "one").symlink_to(one_rank)
     (root / "split1").symlink_to(one_rank / "split")
     return root
@@ -96,5 +96,18 @@ def test_routing_replay_on_two_ranks(runs):
     for rank in ranks:
         assert rank["moe"]["taps"] == 2 and rank["moe"]["violations"] == 0 and rank["moe"]["rerouted"] > 0
         assert all("moe/rerouted_share" in h for h in rank["logs"] if "reward" in h)
+    for name, p in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][name], p, atol=0, rtol=0)
+
+
+def test_rollout_workers_on_two_ranks(runs):
+    """Each rank's worker samples that rank's own rows: every rank trains on distinct prompts at every step, and the
+    weights are equal on both ranks after every step (each rank publishes its own to its own worker)."""
+    ranks = [load(runs / "workers" / f"dapo-rank{r}.pt") for r in (0, 1)]
+    assert len(ranks[0]["prompts"]) == len(ranks[1]["prompts"]) == 2
+    for mine, theirs in zip(ranks[0]["prompts"], ranks[1]["prompts"]):
+        assert len(mine) == len(theirs) == 4 and not set(mine) & set(theirs)
+    assert len(ranks[0]["checksums"]) == 2 and ranks[0]["checksums"] == ranks[1]["checksums"]
+    assert all("sample/staleness_max" in h for h in ranks[0]["logs"] if "reward" in h)
     for name, p in ranks[0]["params"].items():
         torch.testing.assert_close(ranks[1]["params"][name], p, atol=0, rtol=0)

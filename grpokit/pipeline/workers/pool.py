@@ -54,6 +54,9 @@ far above the seconds it takes."""
 MAX_RESTARTS = 3
 """A worker that dies this many times in a row without producing a batch stops the run."""
 POLL_S = 0.5
+LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_PROCESS_INDEX"}
+"""What torchrun and accelerate tell a rank, kept from its workers."""
 
 
 class RolloutWorkerError(RuntimeError):
@@ -153,7 +156,8 @@ class WorkerPool:
             self._await_ready(self.workers[w])
 
     def _spawn(self, index: int, first: int) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+        env["PYTHONUNBUFFERED"] = "1"  # (a worker is no rank: a launcher's variables would make it try to join)
         proc = subprocess.Popen([sys.executable, "-m", "grpokit.pipeline.workers"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, start_new_session=True,
                                 pass_fds=(self.arena.fd, self.slots.shared.fd, self.status.shared.fd))
