@@ -202,15 +202,16 @@ def test_the_pipeline_imports_nothing_of_the_trainer():
 
 
 def test_the_producer_reads_only_what_the_learner_declares():
-    """Every member the asynchronous producer reads off the learner (``learner.x``, ``self.learner.x``) is declared
-    by :class:`grpokit.pipeline.driver.LearnerDriver` (or the :class:`RolloutDriver` it extends)."""
+    """Every member the asynchronous producer and the rollout workers' pool read off the learner (``learner.x``,
+    ``self.learner.x``) is declared by :class:`grpokit.pipeline.driver.LearnerDriver` (or the :class:`RolloutDriver`
+    it extends)."""
     from grpokit.pipeline.driver import LearnerDriver
 
     declared = {n for cls in LearnerDriver.__mro__ for n in vars(cls)} | {
         n for cls in LearnerDriver.__mro__ for n in getattr(cls, "__annotations__", {})}
-    tree = ast.parse((PACKAGE / "pipeline" / "producer.py").read_text())
     read = set()
-    for node in ast.walk(tree):
+    for node in (n for f in ("producer.py", "workers/pool.py") for n in ast.walk(ast.parse(
+            (PACKAGE / "pipeline" / f).read_text()))):
         if isinstance(node, ast.Attribute):
             owner = node.value
             if (isinstance(owner, ast.Name) and owner.id == "learner") or (

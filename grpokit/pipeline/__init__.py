@@ -13,7 +13,8 @@ hand-offs from stage to stage (docs/architecture.md):
 - :mod:`.driver`: the seams, declared: what sampling needs (:class:`SamplingDriver`), what finishing needs
   (:class:`FinishingDriver`), both (:class:`RolloutDriver`), what the asynchronous producer needs from the learner
   (:class:`LearnerDriver`), a weight source and a producer;
-- :mod:`.producer`: asynchronous rollouts, the same pipeline driven ahead of the learner;
+- :mod:`.producer`: asynchronous rollouts, the same pipeline driven ahead of the learner (a thread);
+- :mod:`.workers`: rollout workers, the sampling half in processes of their own (``rollout_workers``);
 - :mod:`.rollout_pipeline`: :class:`RolloutPipeline`, the stages put together.
 """
 

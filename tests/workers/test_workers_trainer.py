@@ -326,3 +326,49 @@ def test_sigkill_of_the_trainer_leaves_no_worker_and_the_resume_trains_the_same_
     cut = trained(tmp_path / "cut")
     assert len(expected) == 5 and len(cut) == 3 + 3  # steps 1-3 before the kill, 3-5 after the resume
     assert cut[:2] + cut[3:] == expected
+
+
+class Echo:
+    """An environment with one tool and no reward."""
+
+    def reset(self, **row):
+        self.said = ""
+
+    def say(self, text: str) -> str:
+        """Say something.
+
+        Args:
+            text: what to say
+        """
+        self.said = text
+        return text
+
+
+def pid_reward(completions, log_metric, **kw):
+    """Logs the process it runs in."""
+    log_metric("custom/pid", float(os.getpid()))
+    return [len(set(c[-1]["content"])) / 8 for c in completions]
+
+
+def test_tools_environments_and_rewards_run_in_the_worker(tmp_path):
+    """Tools, an environment per row and the reward functions cross into the worker and run there: the same tool
+    metrics and environment rewards as in the trainer's process, and the rewards logged from the worker's pid."""
+    from scripted_tools import Counter, ScriptedBackend, args_for, tokenizer
+
+    tok = tokenizer()
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Go {i}."}] for i in range(8)],
+                            "environment": ["counter", "echo"] * 4, "target": [5] * 8})
+    call = '<tool_call>{"name": "increment", "arguments": {"by": 5}}</tool_call>'
+    backend = ScriptedBackend(tok, first=lambda i: call if i in (0, 1) else "done")
+    t = GRPOTrainer(tiny_model(tok, max_positions=2048), [pid_reward],
+                    args=args_for(tmp_path, shuffle_dataset=False, max_steps=2, per_device_train_batch_size=8,
+                                  rollout_workers=1, max_staleness=1),
+                    train_dataset=ds, processing_class=tok, rollout_backend=backend,
+                    environment_factory={"counter": Counter, "echo": Echo})
+    t.train()
+    logs = [h for h in t.state.log_history if "reward" in h]
+    assert len(logs) == 2
+    assert logs[0]["tools/call_frequency"] == pytest.approx(2 / 8)
+    assert logs[0]["rewards/Counter/mean"] == pytest.approx(0.5)
+    assert all(h["custom/pid"] != os.getpid() for h in logs)  # scored in the worker
+    assert not worker_children()

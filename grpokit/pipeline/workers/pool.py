@@ -300,6 +300,11 @@ class RolloutWorkers(AsyncRollouts):
         scorer = copy.copy(p.scorer)
         scorer.rollout_func_owner = None  # a rollout_func is refused with workers; the trainer never crosses
         policy = self.learner.policy()
+        from ...vision.detection import is_vlm
+
+        if is_vlm(policy):
+            raise ValueError(f"a vision-language model is not allowed with rollout_workers={n} yet: its images are "
+                             "not carried into worker processes; use rollout_workers=0")
         payload = {"args": a, "rows": self.rows, "sampler": policy, "backend": backend, "params": params,
                    "scorer": scorer, "filter": p.filter, "prompts": p.prompts, "order": p.order}
         spec = {"workers": n, "rank": a.process_index, "world_size": a.world_size, "device": str(self.learner.device),
