@@ -16,7 +16,6 @@ import sys
 import time
 
 import torch
-
 from _common import machine
 
 READER = r"""
