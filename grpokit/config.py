@@ -260,6 +260,13 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                                   "optimizer step (0: in the trainer's process). max_staleness bounds how far ahead "
                                   "they run.")
     )
+    partial_rollouts: bool = field(
+        default=False, metadata=_meta("Asynchronous rollouts (max_staleness >= 1): completions still running when a "
+                                      "batch has enough finished groups stay in flight for a later batch and "
+                                      "continue under newer weights; every token records the version that sampled "
+                                      "it and its log-prob under that version, and max_staleness bounds each token's "
+                                      "age.")
+    )
     weight_sync_steps: int = field(
         default=1, metadata=_meta("Asynchronous rollouts: optimizer steps between weight pushes to the producer.")
     )
@@ -462,8 +469,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                              "latest weights; use 'bounded'")
         if self.overlong_buffer_length is not None:
             check.number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
+        check.boolean("partial_rollouts")
         if self.rollout_workers:
             self._validate_workers()
+        if self.partial_rollouts:
+            self._validate_partial()
 
     def _validate_workers(self) -> None:
         """What rollout workers do not do yet, refused in one line each."""
@@ -476,6 +486,26 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
             if bad:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed with rollout_workers="
                                  f"{self.rollout_workers}; use {allowed}, or rollout_workers=0")
+
+    def _validate_partial(self) -> None:
+        """What partial rollouts need, refused in one line each: continuing a completion under new weights is
+        grpokit's own decode loop (the transformers backend), on plain single-turn completions."""
+        extra = set(self.generation_kwargs or {})
+        refused = [("max_staleness", self.max_staleness < 1, "1 or more (a completion continues under weights "
+                    "published while it runs; at 0 none are)"),
+                   ("staleness_mode", self.staleness_mode != "bounded", "'bounded'"),
+                   ("use_vllm", self.use_vllm, "False (vLLM's engine does not continue a request under new weights "
+                    "here yet)"),
+                   ("use_transformers_continuous_batching", self.use_transformers_continuous_batching
+                    or self.use_transformers_paged, "False (grpokit's decode loop continues completions)"),
+                   ("dynamic_sampling", self.dynamic_sampling, "False (not combined with partial rollouts yet)"),
+                   ("routing_replay", self.routing_replay != "none", "'none'"),
+                   ("generation_kwargs", bool(extra), "none (the decode loop continues a completion with the run's "
+                    "sampling settings only)")]
+        for name, bad, allowed in refused:
+            if bad:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed with partial_rollouts=True; use "
+                                 f"{allowed}, or partial_rollouts=False")
 
     def _validate_loss(self, check: Checker) -> None:
         """The objective's fields, read through the loss's description (what epsilon means for it, its own

@@ -14,11 +14,13 @@ hand-offs from stage to stage (docs/architecture.md):
   (:class:`FinishingDriver`), both (:class:`RolloutDriver`), what the asynchronous producer needs from the learner
   (:class:`LearnerDriver`), a weight source and a producer;
 - :mod:`.producer`: asynchronous rollouts, the same pipeline driven ahead of the learner (a thread);
+- :mod:`.partial`: partial rollouts, groups in flight across batches continuing under newer weights
+  (``partial_rollouts``; :class:`ContinuingDriver`);
 - :mod:`.workers`: rollout workers, the sampling half in processes of their own (``rollout_workers``);
 - :mod:`.rollout_pipeline`: :class:`RolloutPipeline`, the stages put together.
 """
 
-from .driver import FinishingDriver, LearnerDriver, Producer, RolloutDriver, SamplingDriver, WeightSource
+from .driver import ContinuingDriver, FinishingDriver, LearnerDriver, Producer, RolloutDriver, SamplingDriver, WeightSource
 from .filtering import FillStats, GroupFill, GroupFilter, first_round_groups, next_round_groups
 from .finishing import BatchFinisher
 from .prompt_skipping import PromptSkipper, prompt_key
@@ -29,7 +31,7 @@ from .samples import ScoredSamples, sample_and_score
 from .scoring import RolloutScorer
 from .stats import RolloutStats
 
-__all__ = ["BatchFinisher", "FillStats", "FinishingDriver", "GroupFill", "GroupFilter", "GroupRepeatIterable",
+__all__ = ["BatchFinisher", "ContinuingDriver", "FillStats", "FinishingDriver", "GroupFill", "GroupFilter", "GroupRepeatIterable",
            "GroupRepeatSampler", "LearnerDriver", "Producer", "PromptOrder", "PromptSkipper", "PromptStream",
            "RolloutDriver", "RolloutPipeline", "RolloutScorer", "RolloutStats", "SamplingDriver", "ScoredSamples",
            "WeightSource", "first_round_groups", "next_round_groups", "prompt_key", "sample_and_score"]

@@ -1,7 +1,7 @@
 """What crosses between a learner and whatever samples, as declared protocols: what sampling needs
-(:class:`SamplingDriver`), what finishing needs (:class:`FinishingDriver`), both (:class:`RolloutDriver`), what the
-asynchronous producer needs from the learner (:class:`LearnerDriver`), a weight source (:class:`WeightSource`) and a
-producer (:class:`Producer`).
+(:class:`SamplingDriver`; :class:`ContinuingDriver` for partial rollouts), what finishing needs
+(:class:`FinishingDriver`), both (:class:`RolloutDriver`), what the asynchronous producer needs from the learner
+(:class:`LearnerDriver`), a weight source (:class:`WeightSource`) and a producer (:class:`Producer`).
 
 The learner (:class:`grpokit.trainer_driver.TrainerDriver`, the trainer's side) offers all of it; the asynchronous
 producer's driver (:class:`grpokit.pipeline.producer.SamplerDriver`) offers the sampling half only — its own copy of
@@ -53,6 +53,18 @@ class SamplingDriver(Protocol):
     def any_process(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any process (sharded generation in lockstep: every process runs as many dynamic
         sampling rounds as the one that needs most)."""
+        ...
+
+
+class ContinuingDriver(SamplingDriver, Protocol):
+    """What partial rollouts (:mod:`grpokit.pipeline.partial`) need besides the sampling half: continuing completions
+    from their histories with the sampler's weights as they are now (the producer's driver, a worker's)."""
+
+    def continue_rows(self, histories: list[list[int]], budgets: list[int],
+                      interrupt: Callable[[torch.Tensor], bool] | None) -> Any:
+        """:func:`grpokit.rollout.partial_decode.continue_rows` with the run's backend, sampler and settings: per
+        row, the tokens and log-probs sampled on from its history (prompt and completion so far, token ids) within
+        its budget of new tokens, and whether it ended."""
         ...
 
 

@@ -44,8 +44,10 @@ import torch
 from ..logprobs import completion_logps
 from ..moe import find_routers, recorded_forward
 from ..rollout.base import Generation
+from ..rollout.partial_decode import Continued, continue_rows
 from ..watchdog import stage
 from .driver import LearnerDriver
+from .partial import PartialWeights, check_partial
 from .prompts import BatchRows
 from .samples import ScoredSamples
 from .stats import RolloutStats
@@ -71,6 +73,9 @@ class ProducedBatch:
     """The pipeline's state right after producing it (what a checkpoint taken once the learner has it holds)."""
     producer_idle_s: float = 0.0
     """A rollout worker's time waiting for weights so far (:mod:`grpokit.pipeline.workers`)."""
+    token_versions: torch.Tensor | None = None
+    """(N, C) partial rollouts: the version that sampled each completion token (-1 at padding); :attr:`version` is
+    then the oldest of them."""
 
 
 class RolloutProducer:
@@ -135,6 +140,16 @@ class RolloutProducer:
         if batch.index != k:
             raise RuntimeError(f"rollout producer out of step: produced batch {batch.index}, the learner needs {k}")
         return batch
+
+    # -- partial rollouts: the producer's thread, between two tokens ---------------------------------------------------
+    def newer(self) -> bool:
+        """Weights newer than the sampler's were published (a :class:`grpokit.pipeline.partial.PartialWeights`)."""
+        return self._load is not None and self._published > self._loaded
+
+    def refresh(self) -> int:
+        """The newest published weights into the sampler; their version."""
+        with self._cond:
+            return self._use(self._published)
 
     def ready(self) -> int:
         """How many produced batches wait for the learner."""
@@ -225,6 +240,12 @@ class SamplerDriver:
     def generation_batch(self):
         return contextlib.nullcontext()
 
+    def continue_rows(self, histories: list[list[int]], budgets: list[int], interrupt) -> Continued:
+        """Partial rollouts: sample on from each history with the producer's copy of the policy."""
+        backend, params = self.learner.sampler_setup()
+        return continue_rows(backend, self.sampler, histories, budgets, params, params.temperature, self.device,
+                             interrupt)
+
 
 class AsyncRollouts:
     """The learner's side of asynchronous rollouts: the producer's copy of the policy, what producing generation batch
@@ -252,6 +273,8 @@ class AsyncRollouts:
             self.sampler = copy.deepcopy(self.learner.policy()).eval().requires_grad_(False)
         first = math.ceil(global_step * a.gradient_accumulation_steps / generate_every)
         driver = SamplerDriver(self.learner, self.sampler)
+        if a.partial_rollouts:
+            check_partial(self.pipeline, self.learner.policy(), *self.learner.sampler_setup())
         self.producer = RolloutProducer(
             produce=lambda k, version: self._produce(driver, k, version),
             load=None if holds else self.load, snapshot=self.snapshot,
@@ -291,7 +314,9 @@ class AsyncRollouts:
 
     # -- producing (in the producer's thread in bounded mode) ---------------------------------------------------------
     def _produce(self, driver: SamplerDriver, k: int, version: int) -> ProducedBatch:
-        return produce_batch(self.pipeline, self.rows(k), driver, self.sampler, self.args, k, version)
+        producer = self.producer
+        return produce_batch(self.pipeline, self.rows, driver, self.sampler, self.args, k, version, weights=producer,
+                             oldest=producer.needed_version(k), ahead=(k + 1, producer.needed_version(k + 1)))
 
     # -- the learner taking a batch ---------------------------------------------------------------------------------
     def next_batch(self, version: int, is_main_process: bool) -> ProducedBatch:
@@ -306,6 +331,10 @@ class AsyncRollouts:
         stats = batch.stats
         stats.add("sample/staleness_mean", float(staleness))
         stats.add("sample/staleness_max", float(staleness))
+        if batch.token_versions is not None:  # partial rollouts: the age of every completion token
+            ages = (version - batch.token_versions[batch.token_versions >= 0]).float()
+            stats.add("sample/token_staleness_mean", ages.mean() if ages.numel() else 0.0)
+            stats.add("sample/token_staleness_max", ages.max() if ages.numel() else 0.0)
         if is_main_process:  # counts of generation batches, each shared by every process
             stats.add(f"sample/staleness_{staleness}_total", 1.0)
             stats.add("sample/dropped_stale_total", 0.0)
@@ -316,14 +345,27 @@ class AsyncRollouts:
         return batch
 
 
-def produce_batch(pipeline, rows: list[dict], driver, sampler: torch.nn.Module | None, args, k: int,
-                  version: int) -> ProducedBatch:
+def produce_batch(pipeline, rows_of: Callable[[int], list[dict]], driver, sampler: torch.nn.Module | None, args,
+                  k: int, version: int, weights: PartialWeights | None = None, oldest: int = 0,
+                  ahead: tuple[int, int] | None = None) -> ProducedBatch:
     """Generation batch ``k`` produced ahead of the learner with ``sampler`` (the producer's copy of the policy at
     ``version``; None: an engine holding its own weights, whose sampler log-probs are the behaviour's): the sampling
-    half of ``pipeline`` on ``rows``, then the generating policy's log-probs of the completions (a Mixture-of-Experts
-    sampler's forward routing as the loss's will; none with ``max_staleness=0``, where the batch trains at the version
-    that generated it and the learner's own log-probs are the behaviour's), and the pipeline's state after it."""
-    samples, stats = pipeline.sample(rows, driver)
+    half of ``pipeline`` on ``rows_of(k)``, then the generating policy's log-probs of the completions (a
+    Mixture-of-Experts sampler's forward routing as the loss's will; none with ``max_staleness=0``, where the batch
+    trains at the version that generated it and the learner's own log-probs are the behaviour's), and the pipeline's
+    state after it. With partial rollouts (:mod:`grpokit.pipeline.partial`) the groups in flight join, ``weights``
+    gives newer weights as they are published, every token's log-prob comes with it from the version that sampled it
+    (none older than ``oldest``), and ``ahead`` (the producer's next batch, the oldest version it allows) is admitted
+    early when it can be."""
+    if pipeline.partial is not None:
+        stats = RolloutStats()
+        part = pipeline.partial.produce(k, rows_of, driver, weights, oldest, stats, ahead)
+        versions = part.token_versions[part.token_versions >= 0]
+        return ProducedBatch(index=k, version=int(versions.min()) if versions.numel() else version,
+                             samples=part.samples, behaviour_logps=part.behaviour_logps, stats=stats,
+                             pipeline_state=copy.deepcopy(pipeline.sampling_state_dict()),
+                             token_versions=part.token_versions)
+    samples, stats = pipeline.sample(rows_of(k), driver)
     behaviour, routes = samples.generation.sampler_logps, None
     if sampler is not None and args.max_staleness > 0:  # (at 0 the batch trains at its own version: on-policy)
         device, gen = driver.device, samples.generation

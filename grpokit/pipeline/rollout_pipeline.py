@@ -18,6 +18,7 @@ from ..watchdog import stage
 from .driver import FinishingDriver, RolloutDriver, SamplingDriver
 from .filtering import GroupFilter
 from .finishing import BatchFinisher
+from .partial import PartialRollouts
 from .prompt_stream import PromptStream
 from .prompts import PromptOrder
 from .samples import ScoredSamples
@@ -33,7 +34,8 @@ class RolloutPipeline:
     :class:`PromptOrder` (None for a dataset read as a stream); ``producer``: set by :meth:`run_ahead` for
     asynchronous rollouts (:class:`grpokit.pipeline.producer.AsyncRollouts`).
 
-    State: the refill stream's (position, skipped-prompt streaks) and the filter's (keep rate), saved and restored through
+    State: the refill stream's (position, skipped-prompt streaks), the filter's (keep rate) and partial rollouts' groups
+    in flight, saved and restored through
     :meth:`state_dict` / :meth:`load_state_dict` (a checkpoint part). With a producer, the producer's thread owns the
     live state and :meth:`state_dict` gives the copy that came with the last batch the learner took."""
 
@@ -50,6 +52,10 @@ class RolloutPipeline:
         self.bounds = scorer.bounds
         """The time bounds on user code and the run's stop flag (grpokit/user_calls.py)."""
         self.producer: AsyncRollouts | None = None
+        self.partial = PartialRollouts(scorer, scorer.args) \
+            if getattr(getattr(scorer, "args", None), "partial_rollouts", False) else None
+        """Partial rollouts' groups in flight (``partial_rollouts=True``), owned by the thread or worker that
+        samples."""
         self._taken_state: dict | None = None
         self.loaded_state: dict | None = None
         """The state a checkpoint gave (:meth:`load_state_dict`), as it was; None for a fresh run."""
@@ -128,13 +134,12 @@ class RolloutPipeline:
     # -- state ---------------------------------------------------------------------------------------------------------
     def sampling_state_dict(self) -> dict:
         """The sampling half's live state (read in the thread that samples): the refill stream's and the filter's."""
-        if self.filter is None:
-            return {}
-        return {**self.prompts.state_dict(), **self.filter.state_dict()}
+        state = {} if self.filter is None else {**self.prompts.state_dict(), **self.filter.state_dict()}
+        return state if self.partial is None else {**state, **self.partial.state_dict()}
 
     def state_dict(self) -> dict | None:
         """What a checkpoint holds: the state after the last batch the learner took (None: no state)."""
-        if self.filter is None:
+        if self.filter is None and self.partial is None:
             return None
         return self._taken_state if self._taken_state is not None else self.sampling_state_dict()
 
@@ -149,6 +154,12 @@ class RolloutPipeline:
                                  f"rollout_workers={len(state['worker_states'])}")
             self._taken_state = state
             return
+        if state.get("partial_in_flight") and self.partial is None:
+            raise ValueError(f"partial_rollouts=False does not match the checkpoint, written with partial_rollouts="
+                             f"True and {len(state['partial_in_flight'])} groups in flight (not trained yet); resume "
+                             "with partial_rollouts=True")
+        if self.partial is not None:
+            self.partial.load_state_dict(state)
         if self.filter is not None:
             self.prompts.load_state_dict(state)
             self.filter.load_state_dict(state)

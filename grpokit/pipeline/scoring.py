@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from ..algorithms.advantages import overlong_penalty
-from ..rollout.base import context_length, stop_token_ids
+from ..rollout.base import Generation, context_length, stop_token_ids
 from ..tools import TurnLimits
 from ..user_calls import CallBounds
 from ..vision.inputs import pixel_dtype
 from .driver import SamplingDriver
-from .samples import ScoredSamples, sample_and_score
+from .samples import PreparedPrompts, ScoredSamples, prepare_prompts, sample_and_score, score_generation
 from .stats import RolloutStats
 
 
@@ -44,11 +44,7 @@ class RolloutScorer:
     def __call__(self, rows: list[dict], driver: SamplingDriver, stats: RolloutStats) -> ScoredSamples:
         a = self.args
         extra: dict[str, list] = defaultdict(list)
-        reward_kwargs = {
-            "trainer_state": driver.trainer_state,
-            "log_metric": stats.log_reward_metric,
-            "log_extra": lambda column, values: extra[str(column)].extend(list(values)),
-        }
+        reward_kwargs = self._reward_kwargs(driver, stats, extra)
         first_turn = None
         if self.rollout_func is not None:
             first_turn = lambda rows, tools_per_row: self._rollout_func_turn(rows, driver)  # noqa: E731
@@ -57,6 +53,36 @@ class RolloutScorer:
                              max_prompt_length=a.max_prompt_length, device=driver.device, reward_kwargs=reward_kwargs,
                              multiturn=self.multiturn, limits=self.limits, first_turn=first_turn, bounds=self.bounds,
                              dtype=self.image_dtype)
+        return self._account(s, rows, stats, extra)
+
+    def score_generated(self, rows: list[dict], prepared: PreparedPrompts, generation: Generation,
+                        driver: SamplingDriver, stats: RolloutStats) -> ScoredSamples:
+        """Completions generated elsewhere (partial rollouts: :mod:`grpokit.pipeline.partial`) for ``rows``, whose
+        prompts are ``prepared``, scored as :meth:`__call__` scores its own."""
+        extra: dict[str, list] = defaultdict(list)
+        s = score_generation(rows, prepared, generation, self.processing_class, self.reward_funcs,
+                             self.reward_processing_classes, reward_kwargs=self._reward_kwargs(driver, stats, extra),
+                             bounds=self.bounds)
+        return self._account(s, rows, stats, extra)
+
+    def prepare(self, rows: list[dict], device=None) -> PreparedPrompts:
+        """The rows' prompts as generation gets them (chat template, tokenised, left-padded and truncated)."""
+        return prepare_prompts(rows, self.processing_class, chat_template_kwargs=self.args.chat_template_kwargs,
+                               max_prompt_length=self.args.max_prompt_length, device=device)
+
+    @staticmethod
+    def _reward_kwargs(driver: SamplingDriver, stats: RolloutStats, extra: dict[str, list]) -> dict:
+        """What reward functions receive besides the rows: ``trainer_state``, ``log_metric`` and ``log_extra``."""
+        return {
+            "trainer_state": driver.trainer_state,
+            "log_metric": stats.log_reward_metric,
+            "log_extra": lambda column, values: extra[str(column)].extend(list(values)),
+        }
+
+    def _account(self, s: ScoredSamples, rows: list[dict], stats: RolloutStats,
+                 extra: dict[str, list]) -> ScoredSamples:
+        """What scoring measured into ``stats``; the logged extra columns and DAPO's overlong penalty into ``s``."""
+        a = self.args
         for name, count in s.incidents.counts.items():  # timeouts, cut tool results
             stats.add(name, count)
         if s.tool_calls is not None:

@@ -75,29 +75,42 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            eos_ids: list[int], pad_id: int,
            choose: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
            min_new_tokens: int = 0, group: int = 1, share_prompt: bool = True, lean: bool = True,
-           recorder=None) -> torch.Tensor:
+           recorder=None, states: torch.Tensor | None = None, budget: torch.Tensor | None = None,
+           logps: torch.Tensor | None = None, temperature: float = 1.0,
+           interrupt: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Completions (N, T ≤ ``max_new_tokens``) for left-padded prompts, padded with ``pad_id`` after each row's
     end-of-sequence token; ``group``: rows come as groups of that many identical prompts; ``share_prompt``: encode
     what rows share once (a group's prompt, the prefix all prompts begin with), else every row whole; ``lean``: decode
     steps by :func:`grpokit.rollout.llama_decode.llama_step` where it applies (else the model's forward). ``model``:
     the causal LM (not a PEFT/DDP wrapper; PEFT's LoRA layers are inside it). ``recorder``: a Mixture-of-Experts
     policy's :class:`grpokit.moe.GenerationRoutes`, told which rows each step runs (the prompts are then prefilled
-    whole, a group's once, without the prefix all of them share)."""
+    whole, a group's once, without the prefix all of them share).
+
+    For partial rollouts (:mod:`grpokit.rollout.partial_decode`): ``states`` (N,) non-decreasing, rows with equal
+    values have equal prompts (instead of ``group``: any sizes); ``budget`` (N,) each row's most new tokens (at most
+    ``max_new_tokens``); ``logps`` (N, ``max_new_tokens``) receives each sampled token's log-prob under the model's
+    distribution at ``temperature`` (``log_softmax(logits / temperature)``, what the loss computes: no top-k/top-p);
+    ``interrupt(rows)``, called after each step with the rows still running, stops the loop when it returns True
+    (the completions so far come back: a row cut off this way has neither an end-of-sequence token nor its
+    budget's length)."""
     n, p = prompt_ids.shape
     device = prompt_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     if max_new_tokens <= 0:
         return out[:, :0]
-    g = group if share_prompt and group > 1 else 1
+    if states is None or not share_prompt:
+        g = group if share_prompt and group > 1 else 1
+        states = torch.arange(n, device=device) // g
+    firsts = torch.unique_consecutive(states, return_counts=True)[1].cumsum(0) - 1  # (last row of each state)
     # The model runs on *states*: one per distinct history (a group's prompt, then each distinct way its rows went
     # on). ``owner[i]``: the state of live row ``rows[i]``.
-    cache, mask = _prefill(model, prompt_ids[::g], prompt_mask[::g], share_prompt and recorder is None)
+    cache, mask = _prefill(model, prompt_ids[firsts], prompt_mask[firsts], share_prompt and recorder is None)
     reserve(cache, max_new_tokens)  # each step writes its position in place instead of copying the cache
     sequences = torch.cat([prompt_ids, out], 1)  # the rows so far, for processors that look back
     rows = torch.arange(n, device=device)  # the rows still running
-    owner = rows // g
-    step_input = prompt_ids[::g, -1:]  # prompts are left-padded: every row's last column is a real token
+    owner = torch.unique_consecutive(states, return_inverse=True)[1]
+    step_input = prompt_ids[firsts, -1:]  # prompts are left-padded: every row's last column is a real token
     step = (llama_stepper(model) if lean else None) or (
         lambda ids, mask, positions, cache: model(input_ids=ids, attention_mask=mask, position_ids=positions,
                                                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
@@ -109,15 +122,22 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
             logits[:, eos] = float("-inf")
         one_each = _is_identity(owner, logits.shape[0])
         state_rows = rows if one_each else rows.new_empty(logits.shape[0]).scatter_(0, owner, rows)  # any row of it
+        dist = torch.log_softmax(logits / temperature, -1) if logps is not None else None  # (before any warper)
         tokens = choose(sequences[state_rows, :p + t], logits, owner)  # each row its own draw from its state's
         out[rows, t] = tokens
         sequences[rows, p + t] = tokens
+        if logps is not None:
+            logps[rows, t] = dist[owner, tokens]
         running = ~torch.isin(tokens, eos)
+        if budget is not None:
+            running &= budget[rows] > t + 1
         if not bool(running.any()):
             return out[:, :t + 1]
         if not bool(running.all()):  # finished rows leave the batch
             keep = running.nonzero().flatten()
             rows, tokens, owner = rows[keep], tokens[keep], owner[keep]
+        if interrupt is not None and interrupt(rows):
+            return out[:, :t + 1]
         owner, step_input, parents = _next_states(owner, tokens, logits.shape[-1], mask.shape[0])
         if parents is not None:  # states split (rows drew different tokens) or ended: the cache follows
             cache.batch_select_indices(parents)

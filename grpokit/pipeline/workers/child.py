@@ -85,6 +85,13 @@ class WorkerDriver:
     def any_process(self, flag: bool) -> bool:
         return flag
 
+    def continue_rows(self, histories, budgets, interrupt):
+        """Partial rollouts: sample on from each history with the worker's copy of the policy."""
+        from ...rollout.partial_decode import continue_rows
+
+        return continue_rows(self.backend, self.sampler, histories, budgets, self.params, self.params.temperature,
+                             self.device, interrupt)
+
 
 class Worker:
     def __init__(self, spec: dict[str, Any]):
@@ -133,15 +140,26 @@ class Worker:
                 if not self._receive(inp, block=True):
                     return
             self.idle_s += time.perf_counter() - t0
-            version = self.slots.read(self.params, newer_than=self.loaded)
-            if version is not None:
-                self.loaded = version
-            self.driver.version = self.loaded
-            batch = self.produce_batch(self.pipeline, self.rows(k), self.driver, self.sampler, self.args, k,
-                                       self.loaded)
+            self.refresh()
+            batch = self.produce_batch(self.pipeline, self.rows, self.driver, self.sampler, self.args, k,
+                                       self.loaded, weights=self, oldest=needed,
+                                       ahead=(k + s["workers"], max(0, self.start_of(k + s["workers"]) -
+                                                                    s["max_staleness"])))
             batch.producer_idle_s = self.idle_s
             write_frame(out, ("batch", batch))
             k += s["workers"]
+
+    # -- weights (partial rollouts also ask between two tokens: grpokit.pipeline.partial.PartialWeights) ------------
+    def newer(self) -> bool:
+        return max(self.slots.versions()) > self.loaded
+
+    def refresh(self) -> int:
+        """The newest complete publication into the worker's copy of the policy; its version."""
+        version = self.slots.read(self.params, newer_than=self.loaded)
+        if version is not None:
+            self.loaded = version
+        self.driver.version = self.loaded
+        return self.loaded
 
     def _receive(self, inp, block: bool) -> bool:
         """Read the learner's frames (all that are waiting; with ``block``, at least one); False at stop."""

@@ -43,6 +43,7 @@ import torch
 from ...rewards.process import _status
 from ...rewards.process_child import HEADER, write_frame
 from ...watchdog import BOARD, stage
+from ..partial import check_partial
 from ..producer import AsyncRollouts, ProducedBatch
 from .child import STATUS_BYTES, WorkerStatus
 from .shared import SharedFile, dump_shared
@@ -305,6 +306,8 @@ class RolloutWorkers(AsyncRollouts):
         if is_vlm(policy):
             raise ValueError(f"a vision-language model is not allowed with rollout_workers={n} yet: its images are "
                              "not carried into worker processes; use rollout_workers=0")
+        if a.partial_rollouts:
+            check_partial(p, policy, backend, params)
         payload = {"args": a, "rows": self.rows, "sampler": policy, "backend": backend, "params": params,
                    "scorer": scorer, "filter": p.filter, "prompts": p.prompts, "order": p.order}
         spec = {"workers": n, "rank": a.process_index, "world_size": a.world_size, "device": str(self.learner.device),
