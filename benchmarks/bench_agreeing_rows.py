@@ -2,7 +2,7 @@
 
 A policy that has grown confident writes the same reply several times in a group of four. The decode loop runs the
 rows that share a history as one (``grpokit.rollout.decode``) and the training forward runs each distinct
-(prompt, completion) once (``grpokit.logprobs.distinct_rows``). This benchmark times both on SmolLM2-135M (float32,
+(prompt, completion) once (``grpokit.forward.logprobs.distinct_rows``). This benchmark times both on SmolLM2-135M (float32,
 LoRA r16 on every linear layer) with an adapter the demo trained (``runs/demo/final``), in child processes alternated
 between the two checkouts:
 
@@ -36,7 +36,7 @@ def child(adapter: str, prompts: int, repeats: int, long_rows: int = 0, dtype: s
     import torch
     from peft import PeftModel
 
-    from grpokit.logprobs import completion_logps
+    from grpokit.forward.logprobs import completion_logps
     from grpokit.models import load_model, load_tokenizer
     from grpokit.rollout.base import SamplingParams
     from grpokit.rollout.transformers_backend import TransformersRollout

@@ -83,9 +83,9 @@ def child(side: str, shape_name: str, gc: bool, steps: int, device: str, variant
         elif variant == "continuous-batching":
             common["use_transformers_continuous_batching"] = True
         elif variant == "share-prompts":
-            import grpokit.logprobs
+            import grpokit.forward.logprobs
 
-            grpokit.logprobs.SHARE_PROMPTS_ON = ("cpu", "cuda")
+            grpokit.forward.logprobs.SHARE_PROMPTS_ON = ("cpu", "cuda")
 
     def reward(completion_ids, **kw):
         return [len(set(c)) / max(1, len(c)) for c in completion_ids]

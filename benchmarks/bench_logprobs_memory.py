@@ -51,13 +51,13 @@ def child(variant: str) -> dict:
     coef = torch.randn(B, T)
 
     if variant == "chunked":
-        from grpokit.logprobs import linear_logps_and_entropy
+        from grpokit.forward.logprobs import linear_logps_and_entropy
 
         def run():
             lp, ent = linear_logps_and_entropy(hidden, weight, targets)
             return lp, ent
     elif variant == "materialised":
-        from grpokit.logprobs import token_logps_and_entropy
+        from grpokit.forward.logprobs import token_logps_and_entropy
 
         def run():
             logits = hidden @ weight.t()

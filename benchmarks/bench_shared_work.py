@@ -2,7 +2,7 @@
 SmolLM2-135M (float32), the arithmetic task's prompts through the chat template:
 
 * ``training``: the loss's forward and backward with the system turn all prompts begin with encoded once for the
-  batch (``grpokit.logprobs``; on only where it saves >= 10% of the positions, ``PREFIX_MIN_SAVED``) against once
+  batch (``grpokit.forward.logprobs``; on only where it saves >= 10% of the positions, ``PREFIX_MIN_SAVED``) against once
   per group — random completions of a fixed length, every position valid.
 * ``reserved``: the decode loop's KV cache with room reserved for the new tokens
   (``grpokit.rollout.reserved_cache``) against transformers' ``DynamicLayer`` (``torch.cat`` per step), sampling
@@ -45,7 +45,7 @@ def main() -> None:
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     times: dict[str, list[float]] = {"on": [], "off": []}
     if args.what == "training":
-        import grpokit.logprobs as logprobs
+        import grpokit.forward.logprobs as logprobs
 
         if args.lora:
             from peft import LoraConfig, get_peft_model

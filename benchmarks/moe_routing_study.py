@@ -66,7 +66,7 @@ def bf16_engine(tok):
     experts) and scores what it sampled (its own log-probs, full vocabulary at the temperature)."""
     import torch
 
-    from grpokit.logprobs import completion_logps
+    from grpokit.forward.logprobs import completion_logps
     from grpokit.rollout.transformers_backend import TransformersRollout
 
     class Bf16Engine(TransformersRollout):
@@ -229,7 +229,7 @@ def overhead(args) -> None:
     import torch
     from tiny import tiny_tokenizer
 
-    from grpokit.logprobs import completion_logps
+    from grpokit.forward.logprobs import completion_logps
     from grpokit.moe import RouteTap, find_routers
     from grpokit.rollout.base import SamplingParams
     from grpokit.rollout.transformers_backend import TransformersRollout

@@ -121,7 +121,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     ds3_gather_for_generation: bool = field(
         default=True, metadata=_meta(
             "Gather sharded weights once per rollout for generation (faster, one full copy per rank); FSDP2 here. "
-            "False: generate on shards in lockstep. See grpokit/sharding.py.")
+            "False: generate on shards in lockstep. See grpokit/forward/sharding.py.")
     )
     shuffle_dataset: bool | None = field(default=True, metadata=_meta("Shuffle the training prompts."))
     pad_to_multiple_of: int | str | None = field(default="auto", metadata=_meta("Pad sequences to a multiple."))

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from .data import is_conversational
+from .forward.sharding import weights_for_generation
 from .pipeline.samples import sample_and_score
 from .reporting import mean_ci95, wilson_interval
 from .rewards import reward_func_name
 from .rewards.answers import last_number, parse_number
 from .rollout.base import SamplingParams, context_length, stop_token_ids
 from .rollout.transformers_backend import TransformersRollout
-from .sharding import weights_for_generation
 from .tools import TurnLimits
 from .user_calls import RunStopped
 from .vision.encoding import tokenizer_of
@@ -66,7 +66,7 @@ def evaluate(
     SmolLM2 take 2.5× the time of 32: benchmarks/RESULTS.md), and a LoRA adapter is folded into the weights once for all of them.
 
     Under multi-process training every rank evaluates every row; with sharded weights (FSDP, ZeRO-3) all ranks
-    must call this together and ``gather`` decides how generation sees the weights (grpokit/sharding.py).
+    must call this together and ``gather`` decides how generation sees the weights (grpokit/forward/sharding.py).
     """
     start = time.perf_counter()
     rows = _eval_rows(dataset, n, model, tokenizer)

@@ -423,7 +423,7 @@ class _JobRun:
 
     def _evaluate_before(self, model, tokenizer, eval_funcs, resume_path):
         """The held-out evaluation before training; a resumed run reads the one its first run measured."""
-        from .sharding import full_weights, sharding_kind
+        from .forward.sharding import full_weights, sharding_kind
 
         if not self.ev["before"] or self.task.eval_dataset is None:
             return None, None
@@ -620,7 +620,7 @@ def example_lines(before: list[dict] | None, after: list[dict] | None, k: int = 
 
 def _distributed_summary(trainer) -> dict[str, Any]:
     """How the run was spread: processes, accelerate's distributed type, the sharding and ZeRO stage."""
-    from .sharding import sharding_kind
+    from .forward.sharding import sharding_kind
 
     acc = trainer.accelerator
     ds = getattr(acc.state, "deepspeed_plugin", None)

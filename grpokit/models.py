@@ -583,7 +583,7 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
     trunk_dtype = head.weight.dtype
     head.float()
     head.forward = types.MethodType(_fp32_linear_forward, head)  # bound: a deep copy of the model binds its own head
-    head.grpokit_fp32 = True  # the chunked log-prob head reads it (grpokit/logprobs.py)
+    head.grpokit_fp32 = True  # the chunked log-prob head reads it (grpokit/forward/logprobs.py)
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     if embed is not None and embed.weight is head.weight and trunk_dtype != torch.float32:
         embed.register_forward_hook(lambda module, args, output: output.to(trunk_dtype))

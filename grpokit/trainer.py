@@ -32,9 +32,10 @@ from .checkpoints import CheckpointingMixin, rng_state
 from .config import GRPOConfig
 from .data import is_iterable_dataset
 from .entropy_control import EntropyBonus
-from .fused_lora import fused_lora
+from .forward.fused_lora import fused_lora
+from .forward.logprobs import completion_logps
+from .forward.sharding import sharding_kind
 from .gradient_guard import guard_gradients
-from .logprobs import completion_logps
 from .metrics import MetricsStore
 from .models import cast_lm_head_to_fp32
 from .moe import MoeRouting
@@ -43,7 +44,6 @@ from .pipeline.producer import AsyncRollouts
 from .pipeline.workers import RolloutWorkers, check_crossing
 from .reference import ReferenceWeights, check_sync_ref_model, mix_into_reference
 from .run_dir import run_signature, save_signature
-from .sharding import sharding_kind
 from .trainer_driver import TrainerDriver
 from .trainer_setup import (
     add_adapter,
@@ -439,7 +439,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """transformers' training step, the rollouts taken first: the loss's forward and its backward (with gradient
         checkpointing, the recomputed forward too) then run with each plain LoRA layer as one autograd operation
-        (:func:`grpokit.fused_lora.fused_lora`), and generation, outside it, folds the adapters into its own
+        (:func:`grpokit.forward.fused_lora.fused_lora`), and generation, outside it, folds the adapters into its own
         weights as before."""
         model.train()
         inputs = self._prepare_inputs(inputs)

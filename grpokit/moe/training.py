@@ -23,7 +23,7 @@ import torch
 
 from ..algorithms.routing import load_imbalance, ratio_std
 from ..config import ROUTING_REPLAY_MODES
-from ..sharding import sharding_kind
+from ..forward.sharding import sharding_kind
 from .recording import RouteTap
 from .routers import RouterSet, find_routers, has_routers
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..logprobs import completion_logps
+from ..forward.logprobs import completion_logps
 from ..moe import find_routers, recorded_forward
 from ..rollout.base import Generation
 from ..rollout.partial_decode import Continued, continue_rows

@@ -26,7 +26,7 @@ class SamplingParams:
     """Backend-specific keyword arguments (TRL's ``generation_kwargs``); they override the fields above."""
     lockstep: bool = False
     """Every rank must run the same forwards (training shards the weights and they were not gathered, see
-    ``grpokit.sharding``): the transformers backend generates with ``synced_gpus=True`` and no shared prefill."""
+    ``grpokit.forward.sharding``): the transformers backend generates with ``synced_gpus=True`` and no shared prefill."""
     record_routes: bool = False
     """A Mixture-of-Experts policy: record the experts its routers choose (:attr:`Generation.prompt_routes`), where
     the backend can (grpokit's transformers backend)."""

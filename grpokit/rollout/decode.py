@@ -10,7 +10,7 @@ costs what the live rows cost.
 
 With ``share_prompt`` the model runs once per distinct history, not once per row. A group's ``G`` rows begin as one
 *state* (its prompt, encoded once; the tokens every prompt begins with, a chat template's system turn, once for the
-call: :func:`grpokit.prefix.encode_common_prefix_once`); each step every row draws its own token from its state's
+call: :func:`grpokit.forward.prefix.encode_common_prefix_once`); each step every row draws its own token from its state's
 distribution, and rows of a state that drew the same token stay one state (one forward, one cache row) while those
 that drew others split off (the cache rows are copied: ``batch_select_indices``). The rows are sampled as before —
 independent draws from the same distributions — but a policy that has grown confident (a group's four replies
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from ..prefix import accepts_cache, encode_common_prefix_once, position_ids_from_mask
+from ..forward.prefix import accepts_cache, encode_common_prefix_once, position_ids_from_mask
 from .base import SamplingParams
 from .llama_decode import llama_stepper
 from .reserved_cache import reserve
@@ -166,7 +166,7 @@ def _is_identity(index: torch.Tensor, n: int) -> bool:
 def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, share: bool):
     """``(cache, mask)``: a cache holding every prompt but its last token (fed by the first decode step), and the
     attention mask of the cache's columns plus that last token. With ``share``, the tokens all prompts begin with are
-    encoded once for the batch (:func:`grpokit.prefix.encode_common_prefix_once`: the mask then has each row's padding
+    encoded once for the batch (:func:`grpokit.forward.prefix.encode_common_prefix_once`: the mask then has each row's padding
     after that prefix); else every row whole."""
     if share and prompt_ids.shape[1] > 1:
         shared = encode_common_prefix_once(model, prompt_ids[:, :-1], prompt_mask[:, :-1])

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..lora_layers import lora_layers, plain_adapter
+from ..forward.lora_layers import lora_layers, plain_adapter
 
 _PACKED = "_grpokit_packed_weight"
 """Set on a layer while it computes with a packed weight: that weight (so nested contexts pack once)."""
@@ -57,7 +57,7 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def _foldable(layer: torch.nn.Module) -> bool:
-    """A plain LoRA layer (:func:`grpokit.lora_layers.plain_adapter`) over a packable base layer."""
+    """A plain LoRA layer (:func:`grpokit.forward.lora_layers.plain_adapter`) over a packable base layer."""
     return plain_adapter(layer) is not None and _packable(layer.base_layer)
 
 

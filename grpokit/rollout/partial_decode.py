@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..prefix import inner_causal_lm
+from ..forward.prefix import inner_causal_lm
 from .base import SamplingParams, stop_token_ids
 from .decode import decode, decodes, token_chooser
 from .sampling import fast_sampler
@@ -37,7 +37,7 @@ class Continued:
 
 def why_not_continued(backend, model: torch.nn.Module, params: SamplingParams) -> str | None:
     """Why ``backend`` cannot continue completions of ``model`` with ``params`` (None: it can)."""
-    from ..sharding import sharding_kind
+    from ..forward.sharding import sharding_kind
     from .transformers_backend import TransformersRollout
 
     if type(backend) is not TransformersRollout:

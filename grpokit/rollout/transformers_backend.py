@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
+from ..forward.prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm
 from ..moe.recording import GenerationRoutes
 from ..moe.routers import find_routers
-from ..prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
 from .decode import decode, decodes, token_chooser
 from .llama_decode import OWN_HOOK
@@ -109,8 +109,8 @@ def contiguous_head_input(model: torch.nn.Module) -> Iterator[None]:
 def _can_share(model: torch.nn.Module, config: GenerationConfig, prompt_len: int) -> bool:
     """Whether each prompt can be prefilled once for its group. Not with sharded weights (FSDP / ZeRO-3): the
     prefill runs a forward of the causal LM inside the wrappers, which FSDP2 refuses outside its root module's
-    forward (as the training forward's sharing, ``grpokit.logprobs``, is never used there either)."""
-    from ..sharding import sharding_kind
+    forward (as the training forward's sharing, ``grpokit.forward.logprobs``, is never used there either)."""
+    from ..forward.sharding import sharding_kind
 
     if sharding_kind(model) is not None:
         return False
@@ -252,7 +252,7 @@ class TransformersRollout:
         """``loop(ids, mask, group, share) -> completion ids`` with :func:`grpokit.rollout.decode.decode` when it
         applies (on a CPU, sampling with the fast sampler or greedy, a causal LM whose cache can drop rows, weights not
         sharded), else None (``generate``)."""
-        from ..sharding import sharding_kind
+        from ..forward.sharding import sharding_kind
 
         inner = inner_causal_lm(model)
         if (not self.decode_loop or device.type != "cpu" or (params.do_sample and sampler is None)

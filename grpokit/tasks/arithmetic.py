@@ -50,7 +50,7 @@ def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128, order: str = "shuf
 
     ``instruction_first``: the user turn asks for the answer line first and ends with the question ("End your reply
     with the line 'Answer: <number>'. What is 11 + 16?"). Every prompt then begins with all but its last 11-13
-    tokens, which generation and the training forward encode once for all prompts (grpokit.prefix): on SmolLM2's
+    tokens, which generation and the training forward encode once for all prompts (grpokit.forward.prefix): on SmolLM2's
     chat template 40 of its 51-53 tokens instead of 27."""
     if order not in ORDERS:
         raise ValueError(f"Task 'arithmetic': order={order!r} is not allowed; expected one of {', '.join(ORDERS)}.")

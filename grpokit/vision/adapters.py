@@ -21,7 +21,7 @@ PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "projec
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
-    from ..prefix import inner_causal_lm
+    from ..forward.prefix import inner_causal_lm
 
     return inner_causal_lm(model) or model
 

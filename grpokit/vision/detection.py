@@ -19,7 +19,7 @@ _IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", 
 
 def _config_of(obj: Any):
     """The config of a model (DDP / PEFT wrappers included) or a config itself."""
-    from ..prefix import inner_causal_lm
+    from ..forward.prefix import inner_causal_lm
 
     if hasattr(obj, "to_dict") and hasattr(obj, "model_type"):
         return obj

@@ -41,9 +41,9 @@ from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from tiny_moe import ShiftedRouters, tiny_moe_model  # noqa: E402
 
 from grpokit.config import GRPOConfig  # noqa: E402
+from grpokit.forward.sharding import full_weights, sharding_kind  # noqa: E402
 from grpokit.process_group import exit_process  # noqa: E402
 from grpokit.rollout.base import Generation, completion_mask_from_eos  # noqa: E402
-from grpokit.sharding import full_weights, sharding_kind  # noqa: E402
 from grpokit.trainer import GRPOTrainer  # noqa: E402
 
 COMPLETION_LEN = 8

@@ -5,7 +5,7 @@
 - generation: transformers ``generate`` on sharded weights, with ``ds3_gather_for_generation`` True (weights
   gathered once) and False (lockstep on shards), gives exactly the completions of plain DDP, with the two ranks
   stopping at different lengths (without lockstep that mismatches the collectives and the run dies);
-- the chunked log-prob head and the shared-prompt shortcuts are off under sharding (see grpokit/sharding.py).
+- the chunked log-prob head and the shared-prompt shortcuts are off under sharding (see grpokit/forward/sharding.py).
 """
 
 import importlib.util

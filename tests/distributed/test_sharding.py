@@ -1,4 +1,4 @@
-"""grpokit.sharding in one process (a one-rank gloo group): detection, what it switches off, and the FSDP2
+"""grpokit.forward.sharding in one process (a one-rank gloo group): detection, what it switches off, and the FSDP2
 gather-for-generation context restoring FSDP's own settings. Two-rank behaviour: tests/distributed/test_sharded.py."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.logprobs import _shares_prompts, completion_logps, lean_head
-from grpokit.sharding import _reshard_setting, full_weights, sharding_kind, weights_for_generation
+from grpokit.forward.logprobs import _shares_prompts, completion_logps, lean_head
+from grpokit.forward.sharding import _reshard_setting, full_weights, sharding_kind, weights_for_generation
 
 
 @pytest.fixture

@@ -94,7 +94,7 @@ def test_generation_records_the_experts_a_whole_row_forward_chooses(family, deco
     back while generating, unless ``generate`` ran on past it: rows that end early keep going there) is recorded."""
     from tiny import tiny_tokenizer
 
-    from grpokit.logprobs import completion_logps
+    from grpokit.forward.logprobs import completion_logps
     from grpokit.moe import recorded_forward
     from grpokit.rollout.base import SamplingParams
     from grpokit.rollout.transformers_backend import TransformersRollout

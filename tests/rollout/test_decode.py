@@ -9,7 +9,7 @@ import torch
 from tiny import tiny_model, tiny_tokenizer
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from grpokit.prefix import common_prefix_length, position_ids_from_mask, prefix_first
+from grpokit.forward.prefix import common_prefix_length, position_ids_from_mask, prefix_first
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.decode import decode, decodes, token_chooser
 from grpokit.rollout.transformers_backend import InverseCDFSampler, TransformersRollout

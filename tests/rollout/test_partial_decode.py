@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.logprobs import completion_logps
+from grpokit.forward.logprobs import completion_logps
 from grpokit.rollout.base import SamplingParams, completion_mask_from_eos
 from grpokit.rollout.decode import decode, token_chooser
 from grpokit.rollout.partial_decode import continue_rows, why_not_continued

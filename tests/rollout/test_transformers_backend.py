@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.prefix import group_size, inner_causal_lm
+from grpokit.forward.prefix import group_size, inner_causal_lm
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.transformers_backend import TransformersRollout, contiguous_head_input
 
@@ -79,7 +79,7 @@ def test_shared_prefill_with_max_batch_size_and_static_cache_fallback():
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_lockstep_generates_with_synced_gpus_and_no_shared_prefill(lockstep):
     """Under sharded weights that were not gathered every rank must run the same forwards: generate gets
-    synced_gpus=True and no per-rank prefill shortcut (grpokit/sharding.py)."""
+    synced_gpus=True and no per-rank prefill shortcut (grpokit/forward/sharding.py)."""
     tok = tiny_tokenizer()
     model = tiny_model(tok, seed=1)
     seen = []

@@ -12,7 +12,7 @@ from datasets import Dataset
 from scripted_tools import Counter, ScriptedBackend, add, args_for, dataset, tokenizer, used_tool
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.logprobs import completion_logps
+from grpokit.forward.logprobs import completion_logps
 from grpokit.trainer import GRPOTrainer
 
 TRL_TEMPLATES = Path(__import__("trl").__file__).parent / "chat_templates"

@@ -11,7 +11,7 @@ from tiny import tiny_tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpokit.logprobs import completion_logps
+from grpokit.forward.logprobs import completion_logps
 from grpokit.trainer import GRPOTrainer
 
 VOCAB = 4096 + 300  # more than one vocabulary tile of the CPU blocks (4096)

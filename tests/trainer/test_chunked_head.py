@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit import chunked_head
-from grpokit.chunked_head import (
+from grpokit.forward import chunked_head
+from grpokit.forward.chunked_head import (
     BYTES_PER_BLOCK_ELEMENT,
     CPU_BLOCKS,
     MIN_CUDA_ROWS,

@@ -1,4 +1,4 @@
-"""LoRA layers as one autograd operation (grpokit/fused_lora.py): the manual backward against numerical derivatives
+"""LoRA layers as one autograd operation (grpokit/forward/fused_lora.py): the manual backward against numerical derivatives
 and against PEFT's own layers, through completion_logps and through GRPOTrainer's training step (with and without
 gradient checkpointing), and every call it must leave to PEFT."""
 
@@ -14,12 +14,12 @@ from peft import LoraConfig, get_peft_model
 from runs import varied_reward
 from tiny import tiny_model, tiny_tokenizer
 
-import grpokit.logprobs
+import grpokit.forward.logprobs
 import grpokit.trainer
 from grpokit.config import GRPOConfig
-from grpokit.fused_lora import LoRALinear, fused_lora
-from grpokit.logprobs import completion_logps
-from grpokit.lora_layers import lora_layers
+from grpokit.forward.fused_lora import LoRALinear, fused_lora
+from grpokit.forward.logprobs import completion_logps
+from grpokit.forward.lora_layers import lora_layers
 from grpokit.rollout.packed import foldable_lora
 from grpokit.trainer import GRPOTrainer
 
@@ -93,7 +93,7 @@ def test_same_log_probs_and_gradients_as_peft(dtype, monkeypatch):
     count = _Counting(monkeypatch)
     fused = run()
     assert count.forward >= len(lora_layers(model)) and count.backward >= len(lora_layers(model))
-    monkeypatch.setattr(grpokit.logprobs, "fused_lora", lambda model: contextlib.nullcontext(0))
+    monkeypatch.setattr(grpokit.forward.logprobs, "fused_lora", lambda model: contextlib.nullcontext(0))
     peft = run()
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(fused[0], peft[0], **tol)
@@ -131,7 +131,7 @@ def test_training_step_through_the_trainer(tmp_path, monkeypatch, checkpointing,
     assert count.forward >= count.backward * (2 if checkpointing else 1)  # under checkpointing: and the recompute
     assert count.dtypes == {torch.bfloat16 if bf16 else torch.float32}  # bf16=True: autocast's dtype
 
-    for module in (grpokit.logprobs, grpokit.trainer):
+    for module in (grpokit.forward.logprobs, grpokit.trainer):
         monkeypatch.setattr(module, "fused_lora", lambda model: contextlib.nullcontext(0))
     _trainer(tmp_path / "peft", twin, tok, gradient_checkpointing=checkpointing, bf16=bf16).train()
 

@@ -6,8 +6,8 @@ from conftest import FixedRollout
 from runs import chat_dataset, make_args, params_of, varied_reward
 from tiny import tiny_model, tiny_tokenizer
 
-import grpokit.logprobs as logprobs
-from grpokit.logprobs import completion_logps, lean_head, linear_logps_and_entropy
+import grpokit.forward.logprobs as logprobs
+from grpokit.forward.logprobs import completion_logps, lean_head, linear_logps_and_entropy
 from grpokit.trainer import GRPOTrainer
 
 
@@ -54,7 +54,7 @@ def test_kept_logits_skip_the_recomputation_only_under_the_budget(monkeypatch):
     """The forward's blocks are kept for the backward (no head matmul recomputed there) when they fit
     KEEP_LOGITS_BYTES, recomputed when they do not; both give the same gradients, and a second backward through a
     retained graph the same as the first (the kept blocks are read, not overwritten)."""
-    import grpokit.chunked_head as chunked_head
+    import grpokit.forward.chunked_head as chunked_head
 
     calls = []
     block_logits = chunked_head._block_logits
@@ -476,7 +476,7 @@ def test_shared_prompt_backward_sums_in_a_fixed_order():
     from tiny import tiny_model, tiny_tokenizer
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from grpokit.logprobs import completion_logps
+    from grpokit.forward.logprobs import completion_logps
 
     class Accumulating(TorchDispatchMode):
         seen = 0

@@ -94,7 +94,7 @@ def test_sync_ref_model_needs_a_reference_of_its_own(tmp_path):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_cast_lm_head_to_fp32_runs_the_head_in_float32(tmp_path, monkeypatch, tie):
-    import grpokit.logprobs as logprobs
+    import grpokit.forward.logprobs as logprobs
 
     dtypes = []
     real = logprobs.linear_logps_and_entropy

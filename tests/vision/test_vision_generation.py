@@ -88,8 +88,8 @@ def test_image_placeholder_tokens_are_never_sampled():
 def test_a_model_whose_cache_cannot_be_repeated_prefills_every_row():
     """Qwen3.5's linear-attention layers keep a recurrent state that cannot be repeated for a group: grouped text
     prompts are prefilled row by row, in generation and in the training forward, with the same results."""
-    from grpokit.logprobs import completion_logps
-    from grpokit.prefix import encode_once_per_group
+    from grpokit.forward.logprobs import completion_logps
+    from grpokit.forward.prefix import encode_once_per_group
 
     model, processor = shared_tiny_vlm("qwen3_5")
     enc = encode_prompts(processor, PROMPTS[1:], None).repeat_interleave(3)

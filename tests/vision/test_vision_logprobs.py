@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from tiny_vlm import FAMILIES, shared_tiny_vlm, tiny_vlm
 
-from grpokit.logprobs import completion_logps, lean_head
+from grpokit.forward.logprobs import completion_logps, lean_head
 from grpokit.vision.encoding import encode_prompts
 
 RED, BLUE = Image.new("RGB", (40, 30), "red"), Image.new("RGB", (50, 70), "blue")

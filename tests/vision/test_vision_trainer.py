@@ -12,7 +12,7 @@ from PIL import Image
 from runs import make_args, params_of, train_logs, varied_reward
 from tiny_vlm import FAMILIES, save_tiny_vlm, tiny_vlm
 
-import grpokit.logprobs
+import grpokit.forward.logprobs
 import grpokit.pipeline.producer
 from grpokit import GRPOTrainer
 from grpokit.rollout.transformers_backend import TransformersRollout
@@ -134,12 +134,12 @@ def test_max_prompt_length_never_cuts_an_image(tmp_path):
 @pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])  # M-RoPE positions; token types and bidirectional images
 def test_the_shared_prompt_path_equals_the_unshared_one_through_the_trainer(tmp_path, family, monkeypatch):
     shared_calls = []
-    real = grpokit.logprobs._shared_prompt_head_inputs
-    monkeypatch.setattr(grpokit.logprobs, "_shared_prompt_head_inputs",
+    real = grpokit.forward.logprobs._shared_prompt_head_inputs
+    monkeypatch.setattr(grpokit.forward.logprobs, "_shared_prompt_head_inputs",
                         lambda *a, **k: shared_calls.append(1) or real(*a, **k))
     updates, losses = {}, {}
     for share in (True, False):
-        monkeypatch.setattr(grpokit.logprobs, "SHARE_PROMPTS_ON", ("cpu",) if share else ())
+        monkeypatch.setattr(grpokit.forward.logprobs, "SHARE_PROMPTS_ON", ("cpu",) if share else ())
         # plain SGD: the weights move by the gradients themselves (Adam's first step would amplify float noise)
         trainer, _ = trainer_for(tmp_path / str(share), family, num_generations=4, optim="sgd", learning_rate=1.0,
                                  steps_per_generation=2, max_steps=2)

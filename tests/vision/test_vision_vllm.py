@@ -119,7 +119,7 @@ def test_the_trainer_sends_each_rows_pictures_to_the_engine(tmp_path):
     assert [img.size for img in sent] == [RED.size, RED.size, BLUE.size, BLUE.size]
     assert batch.vision is not None and batch.vision.images_per_row == [1, 1, 1, 1]
     assert batch.sampler_logps is not None and batch.old_logps is not None
-    from grpokit.logprobs import completion_logps
+    from grpokit.forward.logprobs import completion_logps
 
     with torch.no_grad():
         blind, _ = completion_logps(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,

@@ -16,7 +16,7 @@ from runs import run_args
 from tiny import tiny_model, tiny_tokenizer
 from transformers import TrainerCallback
 
-from grpokit.logprobs import completion_logps
+from grpokit.forward.logprobs import completion_logps
 from grpokit.pipeline.producer import AsyncRollouts, SamplerDriver
 from grpokit.pipeline.prompts import BatchRows
 from grpokit.pipeline.stats import RolloutStats

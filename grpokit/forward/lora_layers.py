@@ -1,6 +1,6 @@
 """PEFT's LoRA layers as grpokit's fast paths see them: which layers a model has, and which compute the plain
 ``base(x) + s·B(A(x))`` those paths reproduce (folded into packed weights while generating,
-:mod:`grpokit.rollout.packed`; one autograd node in the log-prob forwards, :mod:`grpokit.fused_lora`)."""
+:mod:`grpokit.rollout.packed`; one autograd node in the log-prob forwards, :mod:`grpokit.forward.fused_lora`)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ SmolLM2-135M with r 16 on every linear layer, float32 on a 2-core Xeon, the loss
 its backward 0.76 instead of 0.82, peak memory 260 MB less (benchmarks/RESULTS.md).
 
 :func:`fused_lora` puts it in place of PEFT's forward for the block's duration, on the layers where it computes what
-PEFT would (:func:`grpokit.lora_layers.plain_adapter`, and at call time: input and base weight of one dtype or
+PEFT would (:func:`grpokit.forward.lora_layers.plain_adapter`, and at call time: input and base weight of one dtype or
 autocast, no dropout that acts, no arguments beyond the input); any other call goes to PEFT's forward."""
 
 from __future__ import annotations

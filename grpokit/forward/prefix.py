@@ -3,7 +3,7 @@ training forward can encode it once and repeat its KV cache ``G`` times instead 
 generation, also the tokens every prompt of a batch begins with (a chat template's system turn) once for the batch
 (:func:`encode_common_prefix_once`).
 
-Used by the transformers rollout backend (prefill before sampling) and by :mod:`grpokit.logprobs` (the training
+Used by the transformers rollout backend (prefill before sampling) and by :mod:`grpokit.forward.logprobs` (the training
 forward). Also home of :func:`position_ids_from_mask`, the positions both must agree on.
 """
 
@@ -144,7 +144,7 @@ def encode_common_prefix_once(
     ``mask``) and ``out``, what ``forward(ids, mask, cache, position_ids)`` returned for the distinct prompts' rests
     (the default forward: the model's, one token predicted). The cache is repeated for the rows, so with gradients
     on, autograd sums every row's gradient back onto the one encoding of the prefix (the training forward,
-    :mod:`grpokit.logprobs`). None, with no forward run, when the rows share fewer than :data:`MIN_SHARED_PREFIX`
+    :mod:`grpokit.forward.logprobs`). None, with no forward run, when the rows share fewer than :data:`MIN_SHARED_PREFIX`
     tokens, hold one distinct prompt, or the cache cannot be repeated."""
     from transformers import DynamicCache
 

@@ -3,7 +3,7 @@
 The lean path runs the model's forward with its LM head projecting nothing (a pre-hook takes the head's input),
 keeps the hidden state before each *valid* completion token (``completion_mask == 1``), and projects those to
 the vocabulary in (rows × vocabulary-tile) blocks with an online log-sum-exp
-(:func:`grpokit.chunked_head.linear_logps_and_entropy`): at most one block of logits exists at a time, in the
+(:func:`grpokit.forward.chunked_head.linear_logps_and_entropy`): at most one block of logits exists at a time, in the
 forward and again (recomputed) in the backward, its matmuls in the autocast dtype. Models whose LM head cannot
 be found, or whose logits are post-processed after the head (soft-capping, scaling), use the plain path:
 ``logits_to_keep`` logits and a row-chunked log-softmax.
@@ -17,10 +17,10 @@ import copy
 
 import torch
 
-from .algorithms.sampling_support import SamplingSupport, support_logps
+from ..algorithms.sampling_support import SamplingSupport, support_logps
+from ..moe.routers import has_routers
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
 from .fused_lora import fused_lora
-from .moe.routers import has_routers
 from .prefix import (
     MIN_SHARED_PREFIX,
     accepts_cache,
@@ -70,7 +70,7 @@ def lean_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head of a decoder-only causal LM (DDP- or PEFT-wrapped or not) whose logits are exactly
     ``lm_head(hidden)``: a plain ``nn.Linear`` (tied or not, with or without bias) and no soft-capping or scaling
     after it. None when that cannot be established: the plain path is used. None under FSDP / ZeRO-3 too: there
-    the head's weight is only whole inside its own forward (see ``grpokit.sharding``)."""
+    the head's weight is only whole inside its own forward (see ``grpokit.forward.sharding``)."""
     from .sharding import sharding_kind
 
     if sharding_kind(model) is not None:
@@ -163,7 +163,7 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
     """Whether a prompt can be encoded once for its group: on a device of :data:`SHARE_PROMPTS_ON`; two forwards
     before one backward are fine (no DDP wrapper), no activation checkpointing (it turns the cache off), no active
     dropout (the rows of a group would share one dropout draw on the prompt), and a ``cache`` argument. Never under
-    FSDP / ZeRO-3, where each rank's number of forwards must match (``grpokit.sharding``)."""
+    FSDP / ZeRO-3, where each rank's number of forwards must match (``grpokit.forward.sharding``)."""
     from .sharding import sharding_kind
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or sharding_kind(model) is not None:
@@ -204,11 +204,11 @@ def _shared_prompt_head_inputs(model, head, prompt_ids, prompt_mask, completion_
     """The head inputs (B, C, D) for predicting each completion token, with each distinct prompt encoded once for
     the rows that continue it — ``owner`` (B,): non-decreasing, rows with the same value have the same prompt — and,
     without images, the tokens all the chunk's prompts begin with (a chat template's system turn) once for the chunk
-    (:func:`grpokit.prefix.encode_common_prefix_once`); then forwards over the completion tokens only, from the
+    (:func:`grpokit.forward.prefix.encode_common_prefix_once`); then forwards over the completion tokens only, from the
     prompts' cache selected for the rows, in buckets of rows of similar length (:func:`length_buckets`), each as long
     as its longest row. The same numbers as encoding every row, up to float rounding; None when a
     forward does not fit. ``vision``: the rows' image tensors (a VLM), given to the prompt forward of each prompt's
-    first row only; ``positions``: the whole rows' position ids (:func:`grpokit.prefix.forward_position_ids`),
+    first row only; ``positions``: the whole rows' position ids (:func:`grpokit.forward.prefix.forward_position_ids`),
     sliced for both forwards."""
     c, p = completion_ids.shape[1], prompt_ids.shape[1]
     mask = torch.cat([prompt_mask, completion_mask], 1)
