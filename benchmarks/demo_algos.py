@@ -25,7 +25,7 @@ RUNS = ROOT / "runs" / "demo_algos"
 
 def recipes() -> dict[str, dict]:
     sys.path.insert(0, str(ROOT))
-    from grpokit.job import algorithms
+    from grpokit.run.job import algorithms
 
     return algorithms()
 
@@ -41,7 +41,7 @@ def spec(algo: str, seed: int, steps: int, out: Path, eval_before: bool) -> dict
 
 
 def run(steps: int, seed: int, algos: list[str]) -> None:
-    from grpokit.job import run_job
+    from grpokit.run.job import run_job
 
     for algo in algos:
         out = RUNS / f"{algo}-seed{seed}-{steps}steps"

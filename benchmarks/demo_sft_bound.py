@@ -50,8 +50,8 @@ def main() -> None:
     from grpokit.cli import DEMO_SPEC
     from grpokit.cpu_features import cpu_dtype
     from grpokit.evaluation import evaluate
-    from grpokit.job import lora_config
     from grpokit.models import load_model, load_tokenizer, no_progress_bars
+    from grpokit.run.job import lora_config
     from grpokit.tasks import get_task
     from grpokit.threads import fit_torch_threads
 

@@ -6,7 +6,7 @@ a paired comparison on one trajectory (training does not depend on the average).
     python benchmarks/ema_probe.py --steps 2 --every 1 --n 8                         # a quick check
 
 Prints one line per evaluation and writes runs/ema_probe/seed<S>.json. docs/demo.md ("Weight averaging") holds the
-numbers. The job is the demo's (``grpokit.job.run_job``, quiet), the averages the probe's own
+numbers. The job is the demo's (``grpokit.run.job.run_job``, quiet), the averages the probe's own
 (:class:`grpokit.weight_average.WeightAverage`, one per decay).
 """
 
@@ -34,8 +34,8 @@ def main() -> None:
 
     from grpokit.cli import demo_spec
     from grpokit.evaluation import evaluate
-    from grpokit.files import atomic_write_text
-    from grpokit.job import prepare, run_job
+    from grpokit.run.files import atomic_write_text
+    from grpokit.run.job import prepare, run_job
     from grpokit.weight_average import WeightAverage
 
     out = ROOT / "runs" / "ema_probe"

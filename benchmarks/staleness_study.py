@@ -44,7 +44,7 @@ def spec(loss: str, s: int, seed: int, steps: int, out: Path, eval_before: bool)
 
 
 def run(steps: int, seeds: list[int], losses: list[str], staleness: list[int], eval_n: int = 128) -> None:
-    from grpokit.job import run_job
+    from grpokit.run.job import run_job
 
     for seed in seeds:
         for s in staleness:

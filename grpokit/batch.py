@@ -124,7 +124,7 @@ class RolloutBuffer:
     A generation batch is generated on micro-steps ``0, every, 2·every, ...`` (``every = steps_per_generation ×
     num_iterations``) and its ``steps_per_generation`` micro-batches are served in turn until the next one.
 
-    A checkpoint part (:mod:`grpokit.checkpoint_parts`): when a checkpoint falls inside a generation batch, the
+    A checkpoint part (:mod:`grpokit.run.checkpoint_parts`): when a checkpoint falls inside a generation batch, the
     micro-batches not consumed yet are saved with it, so a resumed run continues with the very same batches.
     """
 

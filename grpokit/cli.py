@@ -80,7 +80,7 @@ def demo_spec(algo: str) -> dict[str, Any]:
     bf16 where this CPU multiplies bf16 natively (AMX / AVX512-BF16) and measurably faster than float32, else float32
     (:func:`grpokit.cpu_features.cpu_dtype`; docs/demo.md, "Why bf16")."""
     from .cpu_features import cpu_dtype
-    from .job import JobError, algorithms
+    from .run.job import JobError, algorithms
 
     recipes = algorithms()
     if algo not in recipes:
@@ -94,7 +94,7 @@ def demo_spec(algo: str) -> dict[str, Any]:
 def _parse_set(pairs: list[str]) -> dict[str, Any]:
     import yaml
 
-    from .job import JobError
+    from .run.job import JobError
 
     out = {}
     for pair in pairs:
@@ -146,7 +146,7 @@ def _unique_key_loader():
 def _load_yaml(path: str) -> dict[str, Any]:
     import yaml
 
-    from .job import JobError
+    from .run.job import JobError
 
     p = Path(path)
     if not p.is_file():
@@ -169,7 +169,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from .job import run_job
+    from .run.job import run_job
 
     spec = _load_yaml(ns.config)
     spec.update(_parse_set(ns.set or []))
@@ -183,7 +183,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 def _free_demo_dir(base: str = "runs/demo") -> str:
     """``runs/demo``, or the first of ``runs/demo-2``, ``-3``, ... that no earlier run occupies: the demo never
     replaces an earlier demo's results unless told where to write (``--output-dir``) and to ``--overwrite``."""
-    from .run_dir import earlier_run
+    from .run.run_dir import earlier_run
 
     candidate, n = base, 1
     while earlier_run(candidate, job_outputs=True):
@@ -193,7 +193,7 @@ def _free_demo_dir(base: str = "runs/demo") -> str:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from .job import run_job
+    from .run.job import run_job
 
     spec = demo_spec(ns.algo)
     if ns.output_dir is None:
@@ -229,7 +229,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from .job import JobError, _eval_line
+    from .run.job import JobError, _eval_line
     from .tasks import get_task
 
     try:
@@ -271,8 +271,8 @@ def _positive_int(text: str) -> int:
 def _load_for_eval(path: str, tokenizer: str | None):
     """The model (a run's ``final/`` adapter on its base model, or a model) and its tokenizer; every loading
     problem is one line naming the model."""
-    from .job import JobError
     from .models import no_progress_bars
+    from .run.job import JobError
 
     try:
         with no_progress_bars():
@@ -322,7 +322,7 @@ def _tokenizer_source(model_path: str) -> str:
 
 
 def cmd_tasks(ns: argparse.Namespace) -> int:
-    from .job import algorithms
+    from .run.job import algorithms
     from .tasks import list_tasks
 
     print("tasks:", ", ".join(list_tasks()))
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from .job_spec import JobError, TrainingInterrupted
+    from .run.job_spec import JobError, TrainingInterrupted
     from .user_calls import CallTimeout, RunStopped
 
     try:
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(e).__name__ == "DiskFullError":  # a checkpoint: the message says what is intact
             print(f"grpokit: error: {_one_line(e)} (with --resume)", file=sys.stderr)
             return 1
-        from .files import is_disk_full
+        from .run.files import is_disk_full
 
         if not is_disk_full(e):
             raise

@@ -56,7 +56,7 @@ def config_field_names() -> frozenset[str]:
         pass
     names = names_from_config()
     try:
-        from .files import atomic_write_text
+        from .run.files import atomic_write_text
 
         atomic_write_text(path, json.dumps(sorted(names)))
     except OSError:

@@ -92,7 +92,7 @@ def measured_bf16_speedup() -> float:
     (``$GRPOKIT_CACHE`` or ``~/.cache/grpokit``); measured and kept on first use. A cache that cannot be read or
     written is ignored: it is then measured every time."""
     from .config_names import cache_dir
-    from .files import atomic_write_text
+    from .run.files import atomic_write_text
 
     path, key = cache_dir() / SPEEDUP_FILE, machine_key()
     try:

@@ -1,7 +1,7 @@
 """The entropy bonus the trainer adds to the loss (TRL's ``entropy_coef``), with the adaptive controller of
 ``use_adaptive_entropy`` as state: the controller and the entropy measured over the current optimizer step. The
 formulas are :func:`grpokit.algorithms.entropy.entropy_bonus` and :class:`grpokit.algorithms.entropy.AdaptiveEntropyCoef`.
-A checkpoint part (grpokit/checkpoint_parts.py) under TRL's file name."""
+A checkpoint part (grpokit/run/checkpoint_parts.py) under TRL's file name."""
 
 from __future__ import annotations
 

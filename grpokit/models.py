@@ -186,7 +186,7 @@ def check_model_source(name_or_path: Any) -> None:
 
 
 def _check_model_directory(path: Path, text: str) -> None:
-    from .file_checks import check_safetensors
+    from .run.file_checks import check_safetensors
 
     files = {p.name for p in path.iterdir()}
     if "adapter_config.json" in files:

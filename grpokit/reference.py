@@ -44,7 +44,7 @@ def check_sync_ref_model(args, peft: bool, sharding: str | None) -> None:
 
 
 class ReferenceWeights:
-    """``sync_ref_model``'s reference as a checkpoint part (grpokit/checkpoint_parts.py): its parameters (tied ones
+    """``sync_ref_model``'s reference as a checkpoint part (grpokit/run/checkpoint_parts.py): its parameters (tied ones
     once), which drift from the initial policy as it is synced."""
 
     checkpoint_file = REFERENCE_FILE

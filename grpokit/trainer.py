@@ -27,8 +27,6 @@ from .algorithms import LossScale, LossSettings, policy_loss
 from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
 from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import install_hooks
-from .checkpoint_parts import load_parts, save_parts
-from .checkpoints import CheckpointingMixin, rng_state
 from .config import GRPOConfig
 from .data import is_iterable_dataset
 from .entropy_control import EntropyBonus
@@ -43,7 +41,9 @@ from .pipeline import GroupRepeatIterable, GroupRepeatSampler
 from .pipeline.producer import AsyncRollouts
 from .pipeline.workers import RolloutWorkers, check_crossing
 from .reference import ReferenceWeights, check_sync_ref_model, mix_into_reference
-from .run_dir import run_signature, save_signature
+from .run.checkpoint_parts import load_parts, save_parts
+from .run.checkpoints import CheckpointingMixin, rng_state
+from .run.run_dir import run_signature, save_signature
 from .trainer_driver import TrainerDriver
 from .trainer_setup import (
     add_adapter,
@@ -75,7 +75,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
 
     Checkpoints are written atomically, checked before a resume (``resume_from_checkpoint`` also takes
     ``"auto"``), and a first SIGINT/SIGTERM during ``train()`` saves one at the next step boundary and stops
-    (:mod:`grpokit.checkpoints`).
+    (:mod:`grpokit.run.checkpoints`).
 
     Args:
         model: a ``PreTrainedModel``, a local directory, a hub id, a ``.gguf`` file, or ``"smollm2-135m-instruct"``.
@@ -195,7 +195,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             self.pipeline.run_ahead(producer, lambda: producer.start(state.global_step, self.rollout_buffer.generate_every))
 
     def checkpoint_parts(self) -> list:
-        """Everything a checkpoint holds beyond transformers' files, as stateful parts (grpokit/checkpoint_parts.py):
+        """Everything a checkpoint holds beyond transformers' files, as stateful parts (grpokit/run/checkpoint_parts.py):
         the unconsumed micro-batches, the pipeline's state, the adaptive entropy controller, ``ema_decay``'s average
         and ``sync_ref_model``'s reference."""
         reference = (ReferenceWeights(self.accelerator.unwrap_model(self.ref_model)) if self.args.sync_ref_model
@@ -238,7 +238,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
             save_signature(self.run_signature(), checkpoint_dir)
 
     def run_signature(self) -> dict[str, Any]:
-        """What this run's checkpoints mean (grpokit/run_dir.py): a resume with any of it changed is refused."""
+        """What this run's checkpoints mean (grpokit/run/run_dir.py): a resume with any of it changed is refused."""
         model = self.accelerator.unwrap_model(self.model)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         name = getattr(getattr(base, "config", None), "_name_or_path", None) or None

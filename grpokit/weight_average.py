@@ -59,7 +59,7 @@ class WeightAverage:
                 for name, p in self.params.items():
                     p.copy_(saved[name])
 
-    # -- a checkpoint part (grpokit/checkpoint_parts.py) ------------------------------------------------------------
+    # -- a checkpoint part (grpokit/run/checkpoint_parts.py) ------------------------------------------------------------
     checkpoint_file = WEIGHT_AVERAGE_FILE
 
     def state_dict(self) -> dict[str, Any]:

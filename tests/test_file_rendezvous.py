@@ -1,4 +1,4 @@
-"""The file rendezvous a stalled run's ranks meet through (grpokit/file_rendezvous.py)."""
+"""The file rendezvous a stalled run's ranks meet through (grpokit/run/file_rendezvous.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from grpokit.file_rendezvous import FileRendezvous, RendezvousTimeout, remove_stale_rendezvous
+from grpokit.run.file_rendezvous import FileRendezvous, RendezvousTimeout, remove_stale_rendezvous
 
 
 def test_every_rank_gets_every_rank_s_value_once_all_have_arrived(tmp_path):

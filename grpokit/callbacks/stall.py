@@ -6,7 +6,7 @@ A stuck thread cannot be unwound, so the process ends with ``os._exit`` after fl
 are not run: one of them could wait for the stuck thread). The checkpoint is written only where it is consistent:
 while the training thread of every process is in a rollout stage (its weights and optimizer are then those of the
 last optimizer step), with the RNG state that rollout started from, so a resume trains as an uninterrupted run would.
-Under several processes the ranks' watchdogs agree and write it through files (grpokit/file_rendezvous.py), never a
+Under several processes the ranks' watchdogs agree and write it through files (grpokit/run/file_rendezvous.py), never a
 collective: the training threads are blocked in one. Sharded weights (FSDP, DeepSpeed) need collectives to be
 gathered: there none is written, and the latest periodic checkpoint stays.
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from transformers import TrainerCallback
 
-from ..file_rendezvous import STALL_DIR_PREFIX, FileRendezvous, RendezvousTimeout
+from ..run.file_rendezvous import STALL_DIR_PREFIX, FileRendezvous, RendezvousTimeout
 from ..watchdog import BOARD, Watchdog, describe, progress
 
 logger = logging.getLogger("grpokit")
@@ -89,7 +89,7 @@ class StallWatchdog(TrainerCallback):
     def _checkpoint(self) -> tuple[str, FileRendezvous | None]:
         """Save a checkpoint where that is consistent; what happened, in words, and the ranks' rendezvous (None for
         one process) for their last meeting."""
-        from ..run_dir import latest_checkpoint
+        from ..run.run_dir import latest_checkpoint
 
         t = self.trainer
         latest = latest_checkpoint(t.args.output_dir)

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write_text
+from ..run.files import atomic_write_text
 from ._util import (
     HELD_OUT_KEYS,
     METRICS_FILENAME,

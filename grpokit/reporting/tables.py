@@ -94,7 +94,7 @@ def log_completions(samples: dict[str, Any], step: int, output_dir: str, *, max_
     import io
     import os
 
-    from ..files import atomic_write_bytes
+    from ..run.files import atomic_write_bytes
 
     s = samples
     log_completions_table(s["prompt"], s["completion"], s["rewards"], s["advantage"], step, max_rows=max_rows,

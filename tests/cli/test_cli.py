@@ -118,7 +118,7 @@ def test_examples_parse_and_validate(monkeypatch):
     examples say."""
     from pathlib import Path
 
-    from grpokit.job import prepare
+    from grpokit.run.job import prepare
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)
@@ -155,11 +155,11 @@ def test_eval_unknown_task_is_one_line(tiny_dir, capsys):
 def demo_specs(monkeypatch, tmp_path):
     """The job specs `grpokit demo` hands to the job runner (which runs nothing here), in call order; a fresh cache
     folder and working directory."""
-    import grpokit.job
+    import grpokit.run.job
 
     specs = []
     monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(grpokit.job, "run_job", lambda spec, **kw: specs.append(spec))
+    monkeypatch.setattr(grpokit.run.job, "run_job", lambda spec, **kw: specs.append(spec))
     monkeypatch.chdir(tmp_path)
     return specs
 
@@ -189,7 +189,7 @@ def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_
 def test_demo_trains_with_dapos_loss_unless_algo_says_otherwise(demo_specs):
     """`grpokit demo` without --algo: the job it runs prepares a GRPOConfig with DAPO's loss (token-level, the upper
     clip 0.28); --algo grpo gives GRPO's per-sequence mean with the symmetric clip."""
-    from grpokit.job import prepare
+    from grpokit.run.job import prepare
 
     assert main(["demo", "--quiet"]) == 0
     assert main(["demo", "--quiet", "--algo", "grpo"]) == 0
@@ -205,7 +205,7 @@ def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs, tmp_path):
     stopped by time earlier ends part way down), where ``max_steps`` stops the demo: no step runs at a rate of 0."""
     from tiny import tiny_model, tiny_tokenizer
 
-    from grpokit.job import prepare
+    from grpokit.run.job import prepare
     from grpokit.trainer import GRPOTrainer
 
     assert main(["demo", "--quiet"]) == 0
@@ -229,7 +229,7 @@ def test_demo_without_dynamic_sampling_drops_its_own_dynamic_sampling_settings(d
     warning about settings the user did not write); one the user sets too is kept, and the config warns about it."""
     import logging
 
-    from grpokit.job import prepare
+    from grpokit.run.job import prepare
 
     assert main(["demo", "--quiet", "--set", "dynamic_sampling=false"]) == 0
     assert main(["demo", "--quiet", "--set", "dynamic_sampling=false", "--set", "dynamic_sampling_explore_prob=0.3"]) == 0
@@ -384,7 +384,7 @@ def test_run_job_adds_the_callbacks_it_is_given(tmp_path, tiny_dir):
     """What benchmarks/ema_probe.py hooks into: the job's trainer, every step, the model and tokenizer at hand."""
     from transformers import TrainerCallback
 
-    from grpokit.job import run_job
+    from grpokit.run.job import run_job
 
     seen = []
 
@@ -402,9 +402,9 @@ def test_finish_within_cuts_training_by_what_was_spent_before_it(tmp_path, tiny_
     is kept time for, and training gets what is left, never more than ``time_budget_s``."""
     import time
 
-    import grpokit.job
+    import grpokit.run.job
 
-    monkeypatch.setattr(grpokit.job, "MIN_TRAINING_S", 0.001)
+    monkeypatch.setattr(grpokit.run.job, "MIN_TRAINING_S", 0.001)
     spent = base_spec(tiny_dir, tmp_path / "late") | {"max_steps": 50, "time_budget_s": 500,
                                                         "finish_within_s": 600, "started_at": time.time() - 700}
     assert main(["train", write_yaml(tmp_path / "late.yaml", spent), "--quiet"]) == 0
@@ -422,7 +422,7 @@ def test_finish_within_cuts_training_by_what_was_spent_before_it(tmp_path, tiny_
 def test_a_sampled_held_out_evaluation_samples_with_the_configs_top_k(tmp_path, tiny_dir):
     """``eval: {greedy: false}`` samples with the config's temperature and top_k, as training samples: with
     ``top_k: 1`` the evaluation before training is the greedy one, at any temperature."""
-    from grpokit.job import run_job
+    from grpokit.run.job import run_job
 
     reports = {}
     for name, extra in {"greedy": {}, "top1": {"eval_greedy": False, "top_k": 1},

@@ -102,7 +102,7 @@ def test_bad_reward_entries_are_one_line(tmp_path, tiny_dir, capsys, monkeypatch
 
 
 def test_reward_entries_are_checked_without_torch(tmp_path):
-    code = ("import sys\nfrom grpokit.job_spec import JobError, split_spec\n"
+    code = ("import sys\nfrom grpokit.run.job_spec import JobError, split_spec\n"
             "ok = {'model': 'm', 'task': 'coding', 'reward_funcs': [{'CodeExecution': {'timeout_s': 2}},"
             " {'LLMJudge': {'base_url': 'http://127.0.0.1:9/v1', 'model': 'j', 'prompt': '{completion}'}},"
             " {'RemoteRewardModel': {'base_url': 'http://127.0.0.1:9'}}, 'correctness']}\n"

@@ -33,7 +33,7 @@ def test_another_transformers_or_source_is_another_cache(monkeypatch):
 
 
 def test_a_second_job_checks_its_keys_without_importing_transformers(tmp_path):
-    code = ("import sys; from grpokit.job_spec import split_spec\n"
+    code = ("import sys; from grpokit.run.job_spec import split_spec\n"
             "try:\n    split_spec({'model': 'x', 'task': 'arithmetic', 'learnig_rate': 1})\n"
             "except ValueError as e:\n    print(e)\n"
             "print('transformers' in sys.modules)")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from launch import torchrun
 
-from grpokit.checkpoints import verify_checkpoint
+from grpokit.run.checkpoints import verify_checkpoint
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")

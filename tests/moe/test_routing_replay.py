@@ -169,7 +169,7 @@ def test_rollout_replay_needs_a_sampler_that_records(tmp_path):
 
 def test_routing_replay_is_a_yaml_key_with_its_choices():
     from grpokit.config import GRPOConfig
-    from grpokit.job_spec import split_spec
+    from grpokit.run.job_spec import split_spec
 
     assert split_spec({"model": "m", "task": "word_count", "routing_replay": "rollout"})[1] == {"routing_replay": "rollout"}
     with pytest.raises(ValueError, match=r"^routing_replay='R3' is not allowed: use one of 'none', 'old', 'rollout'$"):

@@ -14,7 +14,7 @@ from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 def make_trainer(out, reward=varied_reward, dataset=None, model_seed: int = 0, rollout_backend=None, *,
                  extra_part=None, **kw):
-    """A trainer on the tiny model; ``extra_part``: one more checkpoint part (grpokit/checkpoint_parts.py), added the
+    """A trainer on the tiny model; ``extra_part``: one more checkpoint part (grpokit/run/checkpoint_parts.py), added the
     way a subclass adds one, e.g. to fail or stall inside a save."""
     from grpokit.trainer import GRPOTrainer
 

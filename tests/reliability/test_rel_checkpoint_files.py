@@ -18,9 +18,9 @@ import yaml
 from hang import HANG_S
 from reliability_helpers import FaultyPart, LoadGuard, make_trainer
 
-from grpokit.checkpoints import resolve_resume, verify_checkpoint
 from grpokit.cli import main
-from grpokit.run_dir import CheckpointError, latest_checkpoint, list_checkpoints
+from grpokit.run.checkpoints import resolve_resume, verify_checkpoint
+from grpokit.run.run_dir import CheckpointError, latest_checkpoint, list_checkpoints
 
 TESTS = Path(__file__).resolve().parent
 

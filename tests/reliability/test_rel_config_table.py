@@ -1,4 +1,4 @@
-"""Wrong configurations through the job path (``grpokit.job.prepare``) and the command line (``grpokit train``).
+"""Wrong configurations through the job path (``grpokit.run.job.prepare``) and the command line (``grpokit train``).
 
 Every case must raise one error before any model is loaded, naming the field, the value and what is allowed; the
 CLI prints it on one line, without a traceback, and exits 2."""
@@ -12,7 +12,7 @@ import yaml
 from reliability_helpers import LoadGuard
 
 from grpokit.cli import main
-from grpokit.job import JobError, prepare
+from grpokit.run.job import JobError, prepare
 
 BASE = {
     "model": "never-loaded-model", "task": "arithmetic", "per_device_train_batch_size": 4, "num_generations": 4,

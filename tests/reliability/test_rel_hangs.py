@@ -21,8 +21,8 @@ from reliability_helpers import make_args, make_trainer, varied_reward
 from scripted_tools import ScriptedBackend, tokenizer
 from tiny import tiny_model
 
-from grpokit.checkpoints import verify_checkpoint
 from grpokit.rewards import RewardFunctionError, score_completions
+from grpokit.run.checkpoints import verify_checkpoint
 from grpokit.trainer import GRPOTrainer
 from grpokit.user_calls import STOPPING, CallBounds, CallTimeout, Incidents, RunStopped
 

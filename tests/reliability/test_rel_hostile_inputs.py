@@ -1,6 +1,6 @@
 """Careless and hostile inputs, second wave: a table of inputs per family, each handled end to end.
 
-- ``JOB``: job specs through ``grpokit train`` (and ``grpokit.job.prepare``): one line naming the field, the value
+- ``JOB``: job specs through ``grpokit train`` (and ``grpokit.run.job.prepare``): one line naming the field, the value
   and what is allowed, exit 2, before any model is loaded (models, output directories, datasets, user modules,
   values silently accepted before).
 - ``FILES``: config files and flags (not UTF-8, YAML syntax with line and column, ``--set`` that is not YAML,
@@ -22,7 +22,7 @@ from reliability_helpers import LoadGuard
 from test_rel_config_table import BAD, BASE, DROP, FILE_CASES, build_spec, check_message
 
 from grpokit.cli import main
-from grpokit.job import JobError, prepare
+from grpokit.run.job import JobError, prepare
 
 MAX_LINE = 700  # a message is bounded whatever the input (grpokit.cli.MAX_MESSAGE plus the prefix)
 

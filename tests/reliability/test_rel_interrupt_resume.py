@@ -20,8 +20,8 @@ from runs import params_of
 from transformers import TrainerCallback
 
 from grpokit.callbacks import GracefulInterrupt
-from grpokit.checkpoints import verify_checkpoint
-from grpokit.run_dir import latest_checkpoint
+from grpokit.run.checkpoints import verify_checkpoint
+from grpokit.run.run_dir import latest_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 

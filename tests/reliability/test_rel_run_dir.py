@@ -1,4 +1,4 @@
-"""Nothing a user saved is lost between runs that share an output directory (grpokit/run_dir.py).
+"""Nothing a user saved is lost between runs that share an output directory (grpokit/run/run_dir.py).
 
 A fresh run never replaces an earlier run's checkpoints, final model or report unless asked (``--overwrite`` /
 ``overwrite_output_dir``); two runs never write into one directory at once; a resume with settings that change what
@@ -24,9 +24,9 @@ import yaml
 from hang import HANG_S
 from reliability_helpers import make_trainer
 
-from grpokit.checkpoints import DiskFullError, verify_checkpoint
 from grpokit.cli import main
-from grpokit.run_dir import (
+from grpokit.run.checkpoints import DiskFullError, verify_checkpoint
+from grpokit.run.run_dir import (
     LOCK_FILE,
     CheckpointError,
     ResumeMismatch,
@@ -324,15 +324,15 @@ def test_cli_a_full_disk_of_a_real_small_file_system(monkeypatch, tmp_path, tiny
         rerun_in_a_mount_namespace(f"{request.path}::{request.node.name}", why)
         return
     try:
-        import grpokit.checkpoints
-        import grpokit.job
+        import grpokit.run.checkpoints
+        import grpokit.run.job
 
         seen = []
-        judge = grpokit.checkpoints.is_disk_full
-        monkeypatch.setattr(grpokit.checkpoints, "is_disk_full",
+        judge = grpokit.run.checkpoints.is_disk_full
+        monkeypatch.setattr(grpokit.run.checkpoints, "is_disk_full",
                             lambda e, path=None: seen.append(f"{type(e).__name__}: {e}") or judge(e, path))
-        monkeypatch.setattr(grpokit.job, "run_job", functools.partial(
-            grpokit.job.run_job, callbacks=[FillTheDisk(mount, after=1, leave=48 << 10)]))
+        monkeypatch.setattr(grpokit.run.job, "run_job", functools.partial(
+            grpokit.run.job.run_job, callbacks=[FillTheDisk(mount, after=1, leave=48 << 10)]))
         out = mount / "out"
         capsys.readouterr()
         assert main(["train", str(job_config(tmp_path, tiny_dir, out, max_steps=3, eval={"before": False})),
@@ -355,7 +355,7 @@ def test_every_writer_s_full_disk_is_recognised(tmp_path, request):
     import torch
     from safetensors.torch import save_file
 
-    from grpokit.files import is_disk_full
+    from grpokit.run.files import is_disk_full
 
     mount = tmp_path / "small"
     mount.mkdir()
@@ -412,7 +412,7 @@ def test_under_a_launcher_only_the_main_process_judges_the_output_dir(tmp_path, 
     """Under torchrun every rank runs the job: the main one claims the directory, evaluates and writes
     eval_before.json before any collective, so a rank that starts later found that file and refused the run as an
     'earlier run' (a flaky failure of the launcher test on a loaded machine). Only the main process judges now."""
-    import grpokit.job as job
+    import grpokit.run.job as job
 
     out = tmp_path / "out"
     spec = yaml.safe_load(job_config(tmp_path, tiny_dir, out).read_text())

@@ -271,7 +271,7 @@ def test_held_out_points_order_before_during_after():
 
 
 def test_example_lines_pair_before_and_after():
-    from grpokit.job import example_lines
+    from grpokit.run.job import example_lines
 
     before = [{"prompt": "What is 1 + 1?", "completion": "Well,\nlet me think " + "x" * 100, "answer": "2",
                "correct": False}] * 4

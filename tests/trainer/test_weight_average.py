@@ -12,8 +12,8 @@ from tiny import tiny_model, tiny_tokenizer
 from transformers import TrainerCallback
 
 from grpokit.algorithms.averaging import ema_decay_at, mix_
-from grpokit.checkpoint_parts import load_parts, save_parts
 from grpokit.config import GRPOConfig
+from grpokit.run.checkpoint_parts import load_parts, save_parts
 from grpokit.trainer import GRPOTrainer
 from grpokit.weight_average import WEIGHT_AVERAGE_FILE, WeightAverage
 

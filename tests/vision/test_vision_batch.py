@@ -10,10 +10,10 @@ from PIL import Image
 from tiny_vlm import shared_tiny_vlm
 
 from grpokit.batch import RolloutBatch, RolloutBuffer
-from grpokit.checkpoint_parts import load_parts, save_parts
 from grpokit.pipeline import prompt_key
 from grpokit.pipeline.samples import ScoredSamples, prepare_prompts
 from grpokit.rollout.base import Generation
+from grpokit.run.checkpoint_parts import load_parts, save_parts
 from grpokit.vision.encoding import encode_batch, encode_prompts, row_runs
 
 RED, BLUE, GREEN = (Image.new("RGB", (40, 30), "red"), Image.new("RGB", (50, 70), "blue"),

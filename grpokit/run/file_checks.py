@@ -1,6 +1,6 @@
 """Reading a file's framing without loading it: a safetensors header and its promised size, a JSON file, a
 ``torch.save`` zip archive with its CRC-32s. Used before a resume (checkpoints) and before a model loads (weights);
-a damaged file is a :class:`grpokit.run_dir.CheckpointError` naming it and what is wrong."""
+a damaged file is a :class:`grpokit.run.run_dir.CheckpointError` naming it and what is wrong."""
 
 from __future__ import annotations
 

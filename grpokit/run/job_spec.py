@@ -1,6 +1,6 @@
 """The shape of a job spec (a YAML file's contents), checked without importing torch or transformers: unknown keys
 (with a suggestion), the job's own keys and their types. A mistake here is reported in a fraction of a second;
-``grpokit.job`` then checks the values of the ``GRPOConfig`` fields, which needs transformers."""
+``grpokit.run.job`` then checks the values of the ``GRPOConfig`` fields, which needs transformers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import difflib
 import math
 from typing import Any
 
-from .validation import short_repr
+from ..validation import short_repr
 
 JOB_KEYS = {
     "model": "model id, local directory, .gguf file, or smollm2-135m-instruct (the embedded model)",
@@ -56,7 +56,7 @@ def split_spec(spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     suggestion, and check the job's own keys (:func:`check_job_keys`)."""
     if not isinstance(spec, dict):
         raise JobError(f"the config must be a mapping of field: value, got {type(spec).__name__}")
-    from .config_names import config_field_names
+    from ..config_names import config_field_names
 
     fields = config_field_names()
     job, cfg = {}, {}
@@ -86,7 +86,7 @@ def check_job_keys(job: dict[str, Any]) -> None:
         if job.get(key) is not None and not isinstance(job[key], dict):
             raise JobError(f"{key}={short_repr(job[key])} is not allowed: expected a mapping ({JOB_KEYS[key]})")
     if job.get("reward_funcs") is not None:  # names, module:function, {LLMJudge: {...}}: built and checked, no torch
-        from .rewards.registry import check_reward_specs
+        from ..rewards.registry import check_reward_specs
 
         try:
             check_reward_specs(job["reward_funcs"])

@@ -13,9 +13,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from ..validation import short_repr
 from .files import atomic_write_text
 from .job_spec import JOB_KEYS, JobError, TrainingInterrupted, check_lora, split_spec
-from .validation import short_repr
 
 __all__ = ["JOB_KEYS", "JobError", "TrainingInterrupted", "algorithms", "prepare", "run_job"]
 
@@ -32,13 +32,13 @@ MIN_TRAINING_S = 30.0
 def algorithms() -> dict[str, dict[str, Any]]:
     """Named recipes: the GRPOConfig fields that make each algorithm (``grpokit demo --algo NAME``), from the loss
     registry (each loss describes its own)."""
-    from .algorithms.losses import recipes
+    from ..algorithms.losses import recipes
 
     return recipes()
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
-    from .config import GRPOConfig
+    from ..config import GRPOConfig
 
     return {f.name: f for f in dataclasses.fields(GRPOConfig) if f.init}
 
@@ -74,7 +74,7 @@ def coerce_value(name: str, value: Any, field: dataclasses.Field) -> Any:
         raise JobError(f"{name}={short_repr(value)} is not allowed: expected an integer")
     if parts <= {"float", "None"} and not isinstance(value, (int, float)):
         raise JobError(f"{name}={short_repr(value)} is not allowed: expected a number")
-    from .config import CHOICE_FIELDS
+    from ..config import CHOICE_FIELDS
 
     if parts <= {"str", "None"} and not isinstance(value, str) and name not in CHOICE_FIELDS:
         raise JobError(f"{name}={short_repr(value)} is not allowed: expected a string")  # (choices: GRPOConfig lists them)
@@ -108,7 +108,7 @@ def prepare(spec: dict[str, Any], config_dir: str | Path | None = None):
     """Everything that can fail on bad input, before a model is loaded: config, task, reward functions.
     Any such failure is a :class:`JobError`. ``config_dir``: the config file's folder, where user modules
     (rewards, tools, environments) are also looked up."""
-    from .imports import beside_config
+    from ..imports import beside_config
 
     try:
         with beside_config(config_dir):
@@ -122,10 +122,10 @@ def prepare(spec: dict[str, Any], config_dir: str | Path | None = None):
 def _prepare(spec: dict[str, Any]):
     job, raw = split_spec(spec)  # the spec's shape first: no heavy import before a typo is reported
 
-    from .config import GRPOConfig
-    from .rewards import check_reward_weights, get_reward_func, reward_func_name
-    from .tasks import get_task
-    from .tools import MultiTurn, check_tools
+    from ..config import GRPOConfig
+    from ..rewards import check_reward_weights, get_reward_func, reward_func_name
+    from ..tasks import get_task
+    from ..tools import MultiTurn, check_tools
 
     fields = config_fields()
     if "output_dir" in raw and raw["output_dir"] is None:  # `output_dir:` with nothing after it (a template's hole)
@@ -166,8 +166,8 @@ def _prepare(spec: dict[str, Any]):
 def _check_before_loading(job: dict[str, Any], config, task) -> None:
     """What would otherwise fail only after the model loaded: the model's files, the output directory, the
     dataset's size and column names, and ``model_init_kwargs``."""
-    from .data import check_column_names, check_prompt_count
-    from .models import check_model_source
+    from ..data import check_column_names, check_prompt_count
+    from ..models import check_model_source
     from .run_dir import check_output_dir
 
     check_model_source(job["model"])
@@ -186,8 +186,8 @@ def _check_before_loading(job: dict[str, Any], config, task) -> None:
 def _check_images_before_loading(job: dict[str, Any], config, task) -> None:
     """A task with images (``shapes``, a data file naming pictures) needs a vision-language model: one line before
     any weights load. Each picture was read already (built by the task, or checked when its data file was read)."""
-    from .models import is_vlm_source
-    from .vision.images import image_column
+    from ..models import is_vlm_source
+    from ..vision.images import image_column
 
     if image_column(task.train_dataset.column_names) is None:
         return
@@ -210,8 +210,8 @@ def _has_accelerator() -> bool:
 
 def _multiturn_parts(job: dict[str, Any], task) -> tuple[list, Any]:
     """The job's tools (the task's and the YAML's) and its environment factory (the YAML's, else the task's); their
-    types were checked by :func:`grpokit.job_spec.check_job_keys`."""
-    from .imports import import_object
+    types were checked by :func:`grpokit.run.job_spec.check_job_keys`."""
+    from ..imports import import_object
 
     specs = job.get("tools") or []
     specs = [specs] if isinstance(specs, str) else specs
@@ -226,7 +226,7 @@ def _multiturn_parts(job: dict[str, Any], task) -> tuple[list, Any]:
 
 def chat_template_text(spec: str) -> str:
     """The job's ``chat_template``: grpokit's tool-capable ChatML (``chatml-tools``) or a template file's text."""
-    from .tools import CHATML_TOOLS_TEMPLATE
+    from ..tools import CHATML_TOOLS_TEMPLATE
 
     if spec == "chatml-tools":
         return CHATML_TOOLS_TEMPLATE
@@ -245,10 +245,10 @@ def lora_config(lora: dict[str, Any], model=None):
     r = int(lora.get("r", 16))
     targets = lora.get("target_modules", "all-linear")
     if "target_modules" not in lora and model is not None:
-        from .vision.detection import is_vlm
+        from ..vision.detection import is_vlm
 
         if is_vlm(model):
-            from .vision.adapters import lora_settings
+            from ..vision.adapters import lora_settings
 
             targets = lora_settings(model)["target_modules"]
     return LoraConfig(r=r, lora_alpha=int(lora.get("alpha", 2 * r)), lora_dropout=float(lora.get("dropout", 0.0)),
@@ -298,7 +298,7 @@ class _JobRun:
             lock = RunDirLock(self.out).acquire() if self.main else None
         except RunDirError as e:
             raise JobError(str(e)) from None
-        from .models import no_progress_bars
+        from ..models import no_progress_bars
 
         try:
             with no_progress_bars():  # the job prints its own progress
@@ -312,7 +312,7 @@ class _JobRun:
 
         resume_path = self._start()
         if self.config.use_cpu or not _has_accelerator():
-            from .threads import fit_torch_threads
+            from ..threads import fit_torch_threads
 
             try:
                 said = fit_torch_threads()
@@ -358,7 +358,7 @@ class _JobRun:
         return resume_path
 
     def _load(self):
-        from .models import builtin_cache_dir, builtin_cache_missing, load_model, load_processing_class
+        from ..models import builtin_cache_dir, builtin_cache_missing, load_model, load_processing_class
 
         name, trust = self.job["model"], self.config.trust_remote_code
         converting = builtin_cache_missing(name)
@@ -393,7 +393,7 @@ class _JobRun:
         evaluation before training)."""
         if self.lora is None:
             return
-        from .models import lora_target_problem
+        from ..models import lora_target_problem
 
         problem = lora_target_problem(model, lora_config(self.lora, model))
         if problem is not None:
@@ -402,7 +402,7 @@ class _JobRun:
     def _eval_funcs(self) -> list:
         """The training rewards, plus the task's accuracy reward when training uses others: accuracy is the task's
         own measure."""
-        from .rewards import reward_func_name
+        from ..rewards import reward_func_name
 
         funcs = list(self.reward_funcs) + (self.multiturn.reward_funcs() if self.multiturn is not None else [])
         if self.task.accuracy_reward not in [reward_func_name(f) for f in funcs]:
@@ -410,8 +410,8 @@ class _JobRun:
         return funcs
 
     def _evaluate(self, model, tokenizer, eval_funcs):
-        from .evaluation import evaluate
-        from .user_calls import CallBounds
+        from ..evaluation import evaluate
+        from ..user_calls import CallBounds
 
         ev, c = self.ev, self.config
         return evaluate(model, tokenizer, self.task.eval_dataset, eval_funcs, accuracy_reward=self.task.accuracy_reward,
@@ -423,7 +423,7 @@ class _JobRun:
 
     def _evaluate_before(self, model, tokenizer, eval_funcs, resume_path):
         """The held-out evaluation before training; a resumed run reads the one its first run measured."""
-        from .forward.sharding import full_weights, sharding_kind
+        from ..forward.sharding import full_weights, sharding_kind
 
         if not self.ev["before"] or self.task.eval_dataset is None:
             return None, None
@@ -443,7 +443,7 @@ class _JobRun:
             result = self._evaluate(model, tokenizer, eval_funcs)
         self.tell(_eval_line("before", result[0]))
         if self.main:
-            from .reporting._util import jsonable
+            from ..reporting._util import jsonable
 
             atomic_write_text(cached, json.dumps(jsonable(list(result))))
         return result
@@ -474,10 +474,10 @@ class _JobRun:
     def _train(self, model, tokenizer, resume_path, budget: float | None):
         import transformers
 
-        from .callbacks import HeldOutCurve, MetricsJsonlCallback, ProgressCallback, TimeBudget
+        from ..callbacks import HeldOutCurve, MetricsJsonlCallback, ProgressCallback, TimeBudget
+        from ..trainer import GRPOTrainer
         from .checkpoints import CheckpointError
         from .run_dir import ResumeMismatch
-        from .trainer import GRPOTrainer
 
         mt = self.multiturn
         # the job loaded the model with model_init_kwargs (_load): the trainer, given it loaded, would warn that they
@@ -527,7 +527,7 @@ class _JobRun:
     def _default_freeze_vision(self, model) -> None:
         """A job trains a vision-language model's language model only, unless asked: with ``lora`` the adapters
         (:func:`lora_config`), in full fine-tuning ``freeze_vision`` (on unless the config sets it)."""
-        from .vision.detection import is_vlm
+        from ..vision.detection import is_vlm
 
         if self.lora is None and not self.freeze_vision_given and is_vlm(model):
             self.config.freeze_vision = True
@@ -536,7 +536,7 @@ class _JobRun:
 
     def _held_out(self, trainer, metrics, summary: dict[str, Any]) -> None:
         """One evaluation during training: into metrics.jsonl and one line on the terminal."""
-        from .callbacks import held_out_record
+        from ..callbacks import held_out_record
 
         metrics.write(trainer.state, held_out_record(summary))
         self.tell(_eval_line(f"held-out at step {trainer.state.global_step}", summary)
@@ -565,8 +565,8 @@ class _JobRun:
             raise
 
     def _report(self, trainer, before, after, train_time: float) -> dict[str, Any]:
-        from .reporting import write_report
-        from .reporting._util import jsonable
+        from ..reporting import write_report
+        from ..reporting._util import jsonable
 
         cfg = jsonable(self.config.to_dict())
         cfg.update(model=self.job["model"], task=self.job.get("task") or self.job.get("dataset"), lora=self.lora,
@@ -620,7 +620,7 @@ def example_lines(before: list[dict] | None, after: list[dict] | None, k: int = 
 
 def _distributed_summary(trainer) -> dict[str, Any]:
     """How the run was spread: processes, accelerate's distributed type, the sharding and ZeRO stage."""
-    from .forward.sharding import sharding_kind
+    from ..forward.sharding import sharding_kind
 
     acc = trainer.accelerator
     ds = getattr(acc.state, "deepspeed_plugin", None)

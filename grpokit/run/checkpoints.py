@@ -16,7 +16,7 @@ SIGINT / SIGTERM.
 * **Exact resume.** Checkpoints land on optimizer-step boundaries. When that boundary is inside a generation
   batch (``steps_per_generation > gradient_accumulation_steps`` or ``num_iterations > 1``) the not-yet-consumed
   rollouts are saved too (``grpokit_rollouts.safetensors``, one of the trainer's checkpoint parts:
-  grpokit/checkpoint_parts.py), so a resumed run continues with the very same batches; transformers restores the
+  grpokit/run/checkpoint_parts.py), so a resumed run continues with the very same batches; transformers restores the
   sampler position and the RNG states (python, numpy, torch) that sampling uses.
 
 Loading stays safe: weights are safetensors; the small ``torch.save`` files transformers writes (optimizer,
@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .callbacks.interrupt import GracefulInterrupt
+from ..callbacks.interrupt import GracefulInterrupt
 from .file_checks import check_json as _check_json
 from .file_checks import check_safetensors as _check_safetensors
 from .file_checks import check_torch_save as _check_torch_save
@@ -227,7 +227,7 @@ class CheckpointingMixin:
         checkpoint, or one written with other settings (model, batch shape, generations, loss; ``force_resume``
         accepts it), is refused. The output directory is locked while training runs, and a fresh run into a
         directory holding an earlier run's checkpoints is refused unless ``overwrite_output_dir``
-        (grpokit/run_dir.py)."""
+        (grpokit/run/run_dir.py)."""
         args = self.args
         lock = RunDirLock(args.output_dir).acquire() if args.should_save else None
         try:
