@@ -75,8 +75,8 @@ def main() -> None:
 
     from grpokit.cli import _load_for_eval
     from grpokit.evaluation import evaluate
+    from grpokit.machine.threads import fit_torch_threads
     from grpokit.tasks import get_task
-    from grpokit.threads import fit_torch_threads
 
     fit_torch_threads()
     task = get_task("arithmetic")

@@ -48,12 +48,12 @@ def main() -> None:
     from peft import get_peft_model
 
     from grpokit.cli import DEMO_SPEC
-    from grpokit.cpu_features import cpu_dtype
     from grpokit.evaluation import evaluate
+    from grpokit.machine.cpu_features import cpu_dtype
+    from grpokit.machine.threads import fit_torch_threads
     from grpokit.models import load_model, load_tokenizer, no_progress_bars
     from grpokit.run.job import lora_config
     from grpokit.tasks import get_task
-    from grpokit.threads import fit_torch_threads
 
     fit_torch_threads()
     torch.manual_seed(a.seed)

@@ -7,7 +7,7 @@ a paired comparison on one trajectory (training does not depend on the average).
 
 Prints one line per evaluation and writes runs/ema_probe/seed<S>.json. docs/demo.md ("Weight averaging") holds the
 numbers. The job is the demo's (``grpokit.run.job.run_job``, quiet), the averages the probe's own
-(:class:`grpokit.weight_average.WeightAverage`, one per decay).
+(:class:`grpokit.training.weight_average.WeightAverage`, one per decay).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
     from grpokit.evaluation import evaluate
     from grpokit.run.files import atomic_write_text
     from grpokit.run.job import prepare, run_job
-    from grpokit.weight_average import WeightAverage
+    from grpokit.training.weight_average import WeightAverage
 
     out = ROOT / "runs" / "ema_probe"
     spec = demo_spec("grpo")  # the demo's job, with the probe's averages instead of the trainer's own

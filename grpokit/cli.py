@@ -78,8 +78,8 @@ per-sequence mean: three seeds on a 2-core Xeon with AMX capped, float32, 88.3 /
 def demo_spec(algo: str) -> dict[str, Any]:
     """The demo's job for ``--algo algo``: :data:`DEMO_SPEC`, the algorithm's own settings, and the model's weights in
     bf16 where this CPU multiplies bf16 natively (AMX / AVX512-BF16) and measurably faster than float32, else float32
-    (:func:`grpokit.cpu_features.cpu_dtype`; docs/demo.md, "Why bf16")."""
-    from .cpu_features import cpu_dtype
+    (:func:`grpokit.machine.cpu_features.cpu_dtype`; docs/demo.md, "Why bf16")."""
+    from .machine.cpu_features import cpu_dtype
     from .run.job import JobError, algorithms
 
     recipes = algorithms()
@@ -413,14 +413,14 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .reproducible import reproducible_blas
+    from .machine.reproducible import reproducible_blas
 
-    reproducible_blas()  # before anything multiplies: MKL takes the setting once (grpokit/reproducible.py)
+    reproducible_blas()  # before anything multiplies: MKL takes the setting once (grpokit/machine/reproducible.py)
     _quiet_libraries()
     parser = build_parser()
     ns = parser.parse_args(argv)
+    from .bounds.user_calls import CallTimeout, RunStopped
     from .run.job_spec import JobError, TrainingInterrupted
-    from .user_calls import CallTimeout, RunStopped
 
     try:
         return ns.func(ns)
@@ -464,8 +464,8 @@ def _one_line(error: BaseException) -> str:
 
 def entry_point() -> None:
     """The ``grpokit`` command and ``python -m grpokit.cli``: :func:`main`, then an exit that a launched rank
-    survives (grpokit/process_group.py)."""
-    from .process_group import exit_process
+    survives (grpokit/bounds/process_group.py)."""
+    from .bounds.process_group import exit_process
 
     exit_process(main())
 

@@ -23,7 +23,7 @@ from .algorithms.importance import IMPORTANCE_SAMPLING_LEVELS, SAMPLER_CORRECTIO
 from .algorithms.losses import LOSS_TYPES, config_params, loss_spec
 from .algorithms.losses._registry import check_bounds, param_type
 from .algorithms.settings import LossSettings
-from .user_calls import REWARD_TIMEOUT_ACTIONS
+from .bounds.user_calls import REWARD_TIMEOUT_ACTIONS
 from .validation import Checker, short_repr
 
 logger = logging.getLogger("grpokit")

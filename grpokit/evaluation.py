@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .bounds.user_calls import RunStopped
 from .data import is_conversational
 from .forward.sharding import weights_for_generation
 from .pipeline.samples import sample_and_score
@@ -21,7 +22,6 @@ from .rewards.answers import last_number, parse_number
 from .rollout.base import SamplingParams, context_length, stop_token_ids
 from .rollout.transformers_backend import TransformersRollout
 from .tools import TurnLimits
-from .user_calls import RunStopped
 from .vision.encoding import tokenizer_of
 from .vision.inputs import pixel_dtype
 
@@ -60,7 +60,7 @@ def evaluate(
     reply up to ``max_new_tokens`` and all turns together up to ``max_completion_length`` (default
     ``max_new_tokens``); ``summary`` then has ``tool_calls_per_row`` and ``tool_failure_rate``.
 
-    ``bounds``: time bounds on user code, as in training (a stop raises :class:`grpokit.user_calls.RunStopped`).
+    ``bounds``: time bounds on user code, as in training (a stop raises :class:`grpokit.bounds.user_calls.RunStopped`).
 
     ``batch_size`` prompts are generated together (more is faster where memory allows: on a 2-core CPU 128 rows of
     SmolLM2 take 2.5× the time of 32: benchmarks/RESULTS.md), and a LoRA adapter is folded into the weights once for all of them.

@@ -29,18 +29,14 @@ from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import install_hooks
 from .config import GRPOConfig
 from .data import is_iterable_dataset
-from .entropy_control import EntropyBonus
 from .forward.fused_lora import fused_lora
 from .forward.logprobs import completion_logps
 from .forward.sharding import sharding_kind
-from .gradient_guard import guard_gradients
-from .metrics import MetricsStore
 from .models import cast_lm_head_to_fp32
 from .moe import MoeRouting
 from .pipeline import GroupRepeatIterable, GroupRepeatSampler
 from .pipeline.producer import AsyncRollouts
 from .pipeline.workers import RolloutWorkers, check_crossing
-from .reference import ReferenceWeights, check_sync_ref_model, mix_into_reference
 from .run.checkpoint_parts import load_parts, save_parts
 from .run.checkpoints import CheckpointingMixin, rng_state
 from .run.run_dir import run_signature, save_signature
@@ -61,7 +57,11 @@ from .trainer_setup import (
     setup_rewards,
     setup_vision,
 )
-from .weight_average import start_weight_average
+from .training.entropy_control import EntropyBonus
+from .training.gradient_guard import guard_gradients
+from .training.metrics import MetricsStore
+from .training.reference import ReferenceWeights, check_sync_ref_model, mix_into_reference
+from .training.weight_average import start_weight_average
 
 logger = logging.getLogger("grpokit")
 
@@ -168,7 +168,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self.stall_watchdog = install_hooks(self)  # TrainerHooks, and with stall_timeout_s the watchdog (grpokit/watchdog.py)
+        self.stall_watchdog = install_hooks(self)  # TrainerHooks; with stall_timeout_s the watchdog (bounds/watchdog.py)
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
         for i, func in enumerate(self.reward_funcs):
@@ -254,7 +254,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         return f"{self.args.output_dir}/checkpoint-{self.state.global_step}"
 
     def guard_gradients(self, state) -> None:
-        """Before an optimizer step: a non-finite gradient never reaches the weights (:mod:`grpokit.gradient_guard`)."""
+        """Before an optimizer step: a non-finite gradient never reaches the weights (:mod:`grpokit.training.gradient_guard`)."""
         norm, self._last_grad_norm = getattr(self, "_last_grad_norm", None), None  # the Trainer's, just taken
         guard_gradients(self, state, norm)
 
@@ -265,12 +265,12 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
 
     def create_optimizer(self, model=None):
         """transformers' optimizer; with ``loraplus_lr_ratio`` the adapters' B matrices in groups of their own at that
-        multiple of the learning rate (:mod:`grpokit.lora_plus`). An optimizer passed in ``optimizers`` is left as
+        multiple of the learning rate (:mod:`grpokit.training.lora_plus`). An optimizer passed in ``optimizers`` is left as
         it is."""
         given = self.optimizer is not None
         optimizer = super().create_optimizer(model)
         if self.args.loraplus_lr_ratio is not None and not given:
-            from .lora_plus import split_lora_b_groups
+            from .training.lora_plus import split_lora_b_groups
 
             split_lora_b_groups(optimizer, self.model if model is None else model, self.args.loraplus_lr_ratio)
         return optimizer

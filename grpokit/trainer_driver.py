@@ -9,12 +9,12 @@ import contextlib
 import torch
 from accelerate.utils import gather_object
 
+from .bounds.process_group import any_process, stop_together
+from .bounds.watchdog import stage
 from .forward.logprobs import completion_logps
 from .forward.sharding import full_weights, sharding_kind, weights_for_generation
 from .moe import recorded_forward
-from .process_group import any_process, stop_together
 from .rollout.base import Generation, SamplingParams
-from .watchdog import stage
 
 
 def sampling_params(args) -> SamplingParams:

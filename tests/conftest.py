@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# A job fits torch's threads to the free cores unless OMP_NUM_THREADS is set (grpokit/threads.py); tests pin the
+# A job fits torch's threads to the free cores unless OMP_NUM_THREADS is set (grpokit/machine/threads.py); tests pin the
 # count (torch's default here) so that a busy machine does not change float summation order between the runs a test
 # compares. Launchers of several processes set their own (1).
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))

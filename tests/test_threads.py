@@ -1,9 +1,9 @@
-"""Torch's thread count follows the free cores (grpokit/threads.py)."""
+"""Torch's thread count follows the free cores (grpokit/machine/threads.py)."""
 
 import pytest
 import torch
 
-from grpokit import threads
+from grpokit.machine import threads
 
 
 @pytest.fixture

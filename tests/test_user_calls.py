@@ -1,4 +1,4 @@
-"""grpokit.user_calls: a bounded call returns, raises, or is abandoned past its bound (and keeps running, discarded);
+"""grpokit.bounds.user_calls: a bounded call returns, raises, or is abandoned past its bound (and keeps running, discarded);
 an abandoned call's object is busy until it ends; at most MAX_ABANDONED run at once; coroutines are cancelled at
 their bound; several calls share one bound. Every hanging function here is a tests/hang.py Hang: if a bound never
 fires the test fails after HANG_GUARD_S instead of hanging."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 from hang import Hang
 
-from grpokit import user_calls
-from grpokit.user_calls import CallBounds, CallTimeout, Incidents, call, call_many, gather, is_busy
+from grpokit.bounds import user_calls
+from grpokit.bounds.user_calls import CallBounds, CallTimeout, Incidents, call, call_many, gather, is_busy
 
 BOUND = 0.2  # seconds, for calls that hang: short, so the tests are quick
 ROOMY = 60  # seconds, for calls that must return: no test depends on how fast the machine is

@@ -1,4 +1,4 @@
-"""grpokit.watchdog: the stage board (nested stages per thread, described in one line, every start and end counted
+"""grpokit.bounds.watchdog: the stage board (nested stages per thread, described in one line, every start and end counted
 as progress) and the watchdog thread (one report per stall, again after each further stall_s, none while things
 move)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from grpokit.watchdog import StageBoard, Watchdog
+from grpokit.bounds.watchdog import StageBoard, Watchdog
 
 
 def test_stages_nest_per_thread_and_are_described():

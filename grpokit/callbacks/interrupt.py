@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..process_group import any_process
+from ..bounds.process_group import any_process
 
 logger = logging.getLogger("grpokit")
 

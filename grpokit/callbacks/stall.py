@@ -1,5 +1,5 @@
 """The watchdog of a training run (``stall_timeout_s``): when nothing progresses for that long (no rollout stage
-starts or ends, no optimizer step: :mod:`grpokit.watchdog`), say which stage every thread is in, on which rank; with
+starts or ends, no optimizer step: :mod:`grpokit.bounds.watchdog`), say which stage every thread is in, on which rank; with
 ``stall_action="save_and_exit"`` also save a checkpoint and end the process with :data:`STALL_EXIT_CODE`.
 
 A stuck thread cannot be unwound, so the process ends with ``os._exit`` after flushing its output (exit handlers
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from transformers import TrainerCallback
 
+from ..bounds.watchdog import BOARD, Watchdog, describe, progress
 from ..run.file_rendezvous import STALL_DIR_PREFIX, FileRendezvous, RendezvousTimeout
-from ..watchdog import BOARD, Watchdog, describe, progress
 
 logger = logging.getLogger("grpokit")
 

@@ -6,7 +6,7 @@ import time
 
 from transformers import TrainerCallback
 
-from ..process_group import any_process
+from ..bounds.process_group import any_process
 from .stall import StallWatchdog
 
 

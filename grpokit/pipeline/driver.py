@@ -104,7 +104,7 @@ class FinishingDriver(Protocol):
         ...
 
     def stop_together(self, cause: str | None) -> None:
-        """Raise :class:`grpokit.user_calls.RunStopped` on every process when any process carries a stop ``cause``."""
+        """Raise :class:`grpokit.bounds.user_calls.RunStopped` on every process when any process carries a stop ``cause``."""
         ...
 
 

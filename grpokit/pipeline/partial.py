@@ -34,10 +34,10 @@ from typing import Any, Protocol
 
 import torch
 
+from ..bounds.watchdog import stage
 from ..rollout.base import Generation, completion_mask_from_eos
 from ..vision.detection import is_vlm
 from ..vision.encoding import tokenizer_of
-from ..watchdog import stage
 from .driver import ContinuingDriver
 from .samples import ScoredSamples
 from .stats import RolloutStats

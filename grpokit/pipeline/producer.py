@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
+from ..bounds.watchdog import stage
 from ..forward.logprobs import completion_logps
 from ..moe import find_routers, recorded_forward
 from ..rollout.base import Generation
 from ..rollout.partial_decode import Continued, continue_rows
-from ..watchdog import stage
 from .driver import LearnerDriver
 from .partial import PartialWeights, check_partial
 from .prompts import BatchRows
@@ -321,7 +321,7 @@ class AsyncRollouts:
     # -- the learner taking a batch ---------------------------------------------------------------------------------
     def next_batch(self, version: int, is_main_process: bool) -> ProducedBatch:
         """The next generation batch for the learner (at policy ``version``), with its staleness in its stats."""
-        with stage("waiting for rollouts"):  # grpokit/watchdog.py: the producer thread marks its own stages
+        with stage("waiting for rollouts"):  # grpokit/bounds/watchdog.py: the producer thread marks its own stages
             batch = self.producer.take(self._next_index)
         self._next_index += 1
         staleness = version - batch.version

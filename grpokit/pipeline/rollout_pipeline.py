@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..batch import RolloutBatch
-from ..watchdog import stage
+from ..bounds.watchdog import stage
 from .driver import FinishingDriver, RolloutDriver, SamplingDriver
 from .filtering import GroupFilter
 from .finishing import BatchFinisher
@@ -50,7 +50,7 @@ class RolloutPipeline:
         """The process the scorer's reward functions run in (``reward_process=True``: grpokit/rewards/process.py),
         stopped with the pipeline (:meth:`stop`); scoring after that starts it again."""
         self.bounds = scorer.bounds
-        """The time bounds on user code and the run's stop flag (grpokit/user_calls.py)."""
+        """The time bounds on user code and the run's stop flag (grpokit/bounds/user_calls.py)."""
         self.producer: AsyncRollouts | None = None
         self.partial = PartialRollouts(scorer, scorer.args) \
             if getattr(getattr(scorer, "args", None), "partial_rollouts", False) else None

@@ -10,16 +10,16 @@ from typing import Any
 
 import torch
 
+from ..bounds.user_calls import CallBounds, CallTimeout, Incidents, call
+from ..bounds.watchdog import stage
 from ..data import is_conversational, prompt_text, tokenize_prompts
 from ..moe.routers import unrecorded_index
 from ..rewards.scoring import score_completions
 from ..rollout.base import Generation
-from ..user_calls import CallBounds, CallTimeout, Incidents, call
 from ..vision.detection import is_processor
 from ..vision.encoding import encode_batch, tokenizer_of
 from ..vision.inputs import VisionInputs
 from ..vision.messages import place_images
-from ..watchdog import stage
 
 logger = logging.getLogger("grpokit")
 
@@ -49,7 +49,7 @@ class ScoredSamples:
     tool_failures: int = 0
     incidents: Incidents = field(default_factory=Incidents)
     """Timeouts and cut tool results while these samples were made (counters to log), and the cause of a stop the
-    run must make (:mod:`grpokit.user_calls`)."""
+    run must make (:mod:`grpokit.bounds.user_calls`)."""
     vision: VisionInputs | None = None
     """The prompts' image tensors (a vision-language model's batch with images), one row per row; None for text."""
     images: list[list] | None = None
@@ -242,7 +242,7 @@ def sample_and_score(
     continue through the tool loop; reward functions get the environments. ``first_turn(rows, tools_per_row)``
     replaces the first step, returning ``(prepared, generation, rows)`` (the trainer's ``rollout_func``).
 
-    ``bounds`` (:class:`grpokit.user_calls.CallBounds`, default its defaults) bound every call into user code:
+    ``bounds`` (:class:`grpokit.bounds.user_calls.CallBounds`, default its defaults) bound every call into user code:
     ``first_turn`` and the reward functions by ``reward_timeout_s``, tools and environments by ``tool_timeout_s``.
     A ``first_turn`` past its bound stops the run: the samples carry the cause (``incidents.stop_cause``), the rows
     get a one-token placeholder completion and no reward function is called."""

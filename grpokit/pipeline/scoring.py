@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from ..algorithms.advantages import overlong_penalty
+from ..bounds.user_calls import CallBounds
 from ..rollout.base import Generation, context_length, stop_token_ids
 from ..tools import TurnLimits
-from ..user_calls import CallBounds
 from ..vision.inputs import pixel_dtype
 from .driver import SamplingDriver
 from .samples import PreparedPrompts, ScoredSamples, prepare_prompts, sample_and_score, score_generation
@@ -37,7 +37,7 @@ class RolloutScorer:
         self.eos_ids = stop_token_ids(model, processing_class)
         self.limits = TurnLimits(self.eos_ids, args.max_completion_length, context_length(model))
         self.bounds = bounds if bounds is not None else CallBounds.from_config(args)
-        """Time bounds on every call into user code, and the run's stop flag (grpokit/user_calls.py)."""
+        """Time bounds on every call into user code, and the run's stop flag (grpokit/bounds/user_calls.py)."""
         self.image_dtype = pixel_dtype(model)
         """The dtype a batch's pixel values are given to the model in (its weights')."""
 

@@ -39,7 +39,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from ..user_calls import CallBounds, CallTimeout, Incidents
+from ..bounds.user_calls import CallBounds, CallTimeout, Incidents
 from .process_child import HEADER
 from .registry import reward_func_name
 

@@ -10,7 +10,7 @@ function is left out of the row's reward; a row every function skips gets advant
 ±inf, strings, booleans and a wrong count are errors naming the function and the row. A function that raises is
 called again one row at a time to find the row that fails; the error names both.
 
-Time bounds (:mod:`grpokit.user_calls`): each function's call on the batch, and each async function's coroutine,
+Time bounds (:mod:`grpokit.bounds.user_calls`): each function's call on the batch, and each async function's coroutine,
 gets ``reward_timeout_s``; one that passes it is counted (``rewards/<name>/timeout_total``) and its rows get ``None``
 from it, or the batch carries a stop (``reward_timeout_action="stop"``). Reward models (grpokit's own forward)
 are not bounded.
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from ..bounds.user_calls import CallBounds, CallTimeout, Incidents, call, gather
+from ..bounds.watchdog import stage
 from ..data import is_conversational
-from ..user_calls import CallBounds, CallTimeout, Incidents, call, gather
-from ..watchdog import stage
 from .registry import reward_func_name
 from .service import RewardServiceError
 
@@ -172,7 +172,7 @@ def score_completions(
 
     Functions are called with ``prompts``, ``completions``, ``completion_ids``, every other column of ``rows`` by
     name, and ``call_kwargs`` (the trainer passes ``trainer_state``, ``log_metric`` and ``log_extra``, as TRL
-    does). ``bounds``: the time bounds (default :class:`grpokit.user_calls.CallBounds`' defaults); timeouts are
+    does). ``bounds``: the time bounds (default :class:`grpokit.bounds.user_calls.CallBounds`' defaults); timeouts are
     counted into ``incidents``. A run that is stopping (``bounds.stopping``) calls no function: every reward is NaN."""
     n = len(completions)
     bounds = bounds or CallBounds()

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..process_group import distributed_initialized
+from ..bounds.process_group import distributed_initialized
 from .base import Generation, SamplingParams
 
 

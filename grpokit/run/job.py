@@ -312,7 +312,7 @@ class _JobRun:
 
         resume_path = self._start()
         if self.config.use_cpu or not _has_accelerator():
-            from ..threads import fit_torch_threads
+            from ..machine.threads import fit_torch_threads
 
             try:
                 said = fit_torch_threads()
@@ -410,8 +410,8 @@ class _JobRun:
         return funcs
 
     def _evaluate(self, model, tokenizer, eval_funcs):
+        from ..bounds.user_calls import CallBounds
         from ..evaluation import evaluate
-        from ..user_calls import CallBounds
 
         ev, c = self.ev, self.config
         return evaluate(model, tokenizer, self.task.eval_dataset, eval_funcs, accuracy_reward=self.task.accuracy_reward,

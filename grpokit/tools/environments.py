@@ -7,7 +7,7 @@
 - ``get_reward()`` (optional) is one more reward source, logged under the class's name.
 - Instances are pooled per factory and reused from batch to batch (made once, reset often).
 
-Every call into an environment during a rollout is bounded by ``tool_timeout_s`` (:mod:`grpokit.user_calls`): a
+Every call into an environment during a rollout is bounded by ``tool_timeout_s`` (:mod:`grpokit.bounds.user_calls`): a
 ``reset`` that passes it leaves the prompt without an observation, a ``get_reward`` gives the row ``None`` (or a
 stop, as ``reward_timeout_action`` says); either is counted. An instance whose call was abandoned refuses further
 calls while that call still runs, and the pool gives the next batch a fresh instance in its place.
@@ -21,8 +21,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..bounds.user_calls import CallBounds, CallTimeout, Incidents, call, call_many, is_busy
 from ..rewards.scoring import RewardFunctionError, reward_timed_out
-from ..user_calls import CallBounds, CallTimeout, Incidents, call, call_many, is_busy
 from .execution import truncate_result, without_images
 
 logger = logging.getLogger("grpokit")

@@ -2,7 +2,7 @@
 per rollout, async tools awaited in it). A tool that raises, an unknown tool name or an invalid call becomes an
 error message in the tool turn, counted as a failure, never a crash of the run (messages as TRL writes them).
 
-Each call is bounded by ``timeout_s`` (``tool_timeout_s``, :mod:`grpokit.user_calls`): past it the model gets an
+Each call is bounded by ``timeout_s`` (``tool_timeout_s``, :mod:`grpokit.bounds.user_calls`): past it the model gets an
 error message saying so, the call is counted as a failure and a timeout, and it is abandoned. A result longer than
 ``max_chars`` characters (``max_tool_result_chars``) is cut with a marker saying how long it was. An image in a
 result is replaced by a marker (:func:`without_images`): tool results reach the model as text."""
@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..user_calls import CallTimeout, call
+from ..bounds.user_calls import CallTimeout, call
+from ..bounds.watchdog import stage
 from ..vision.messages import holds_image
-from ..watchdog import stage
 
 logger = logging.getLogger("grpokit")
 

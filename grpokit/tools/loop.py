@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from ..bounds.user_calls import CallBounds, Incidents
+from ..bounds.watchdog import stage
 from ..rollout.base import Generation
-from ..user_calls import CallBounds, Incidents
 from ..vision.encoding import tokenizer_of
-from ..watchdog import stage
 from .execution import ToolResult, run_calls, tool_message
 from .parsing import ParsedTurn, parse_turn
 from .templates import ToolTurnTokens
@@ -88,7 +88,7 @@ def run_tool_loop(
     row of left-padded prompts; with ``vision`` (the prompts' image tensors, :class:`grpokit.vision.VisionInputs`)
     it also gets the continuing rows' ``vision=`` (their token tensors extended over the turns so far) and
     ``images=``. Images returned by tools are not supported (tool results are text). ``bounds`` (default:
-    :class:`grpokit.user_calls.CallBounds`' defaults) bound each call and result; timeouts and cut results are
+    :class:`grpokit.bounds.user_calls.CallBounds`' defaults) bound each call and result; timeouts and cut results are
     counted into ``incidents``. ``environments``: each row's environment instance (calls on one are refused while
     an abandoned one runs)."""
     bounds = bounds or CallBounds()

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..user_calls import CallBounds, Incidents
-from ..watchdog import stage
+from ..bounds.user_calls import CallBounds, Incidents
+from ..bounds.watchdog import stage
 from .environments import Environments, reset_all, reset_prompt
 from .loop import ToolRollouts, run_tool_loop
 from .parsing import detect_style

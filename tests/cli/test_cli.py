@@ -170,15 +170,15 @@ def test_demo_loads_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch, tmp_
                                                                speedup, expected):
     """The demo's dtype follows the CPU (bf16 matrix units, and bf16 measured faster: AMX ~5x; AVX512-BF16 on Xeon
     cores 0.7x), or not; a dtype the user sets is kept."""
-    import grpokit.cpu_features
+    import grpokit.machine.cpu_features
 
-    monkeypatch.setattr(grpokit.cpu_features, "native_bf16", lambda: native)
-    monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: speedup)
+    monkeypatch.setattr(grpokit.machine.cpu_features, "native_bf16", lambda: native)
+    monkeypatch.setattr(grpokit.machine.cpu_features, "bf16_speedup", lambda: speedup)
     assert main(["demo", "--quiet"]) == 0
     assert demo_specs[-1]["model_init_kwargs"] == {"dtype": expected}
     assert f"(LoRA, {expected} weights)" in capsys.readouterr().out
     # timed once and kept for the machine where the CPU has the units; not timed at all where it has not
-    assert (tmp_path / "cache" / grpokit.cpu_features.SPEEDUP_FILE).is_file() == native
+    assert (tmp_path / "cache" / grpokit.machine.cpu_features.SPEEDUP_FILE).is_file() == native
     assert main(["demo", "--quiet", "--set", "model_init_kwargs={dtype: float16}"]) == 0
     assert demo_specs[-1]["model_init_kwargs"] == {"dtype": "float16"}
     assert main(["demo", "--quiet", "--finish-within", "590", "--started-at", "1700000000"]) == 0
@@ -250,11 +250,11 @@ def test_demo_without_dynamic_sampling_drops_its_own_dynamic_sampling_settings(d
 def test_native_bf16_reads_torch_cpu_probes(monkeypatch, tmp_path):
     import torch
 
-    import grpokit.cpu_features
-    from grpokit.cpu_features import cpu_dtype, native_bf16
+    import grpokit.machine.cpu_features
+    from grpokit.machine.cpu_features import cpu_dtype, native_bf16
 
     monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path))
-    monkeypatch.setattr(grpokit.cpu_features, "bf16_speedup", lambda: 5.0)  # as AMX measures
+    monkeypatch.setattr(grpokit.machine.cpu_features, "bf16_speedup", lambda: 5.0)  # as AMX measures
     for amx, avx in [(False, False), (True, False), (False, True)]:
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda avx=avx: avx, raising=False)
@@ -269,7 +269,7 @@ def test_native_bf16_reads_torch_cpu_probes(monkeypatch, tmp_path):
 def test_bf16_only_where_it_multiplies_clearly_faster(monkeypatch, tmp_path, speedup, expected):
     """bf16 units are not enough: AVX512-BF16 kernels on Xeon cores (AMX capped) measured 0.7x float32's speed, an
     AMD EPYC's 2.8x, AMX ~5x; the demo takes bf16 from 1.5x. A CPU without the units is not timed at all."""
-    import grpokit.cpu_features as features
+    import grpokit.machine.cpu_features as features
 
     monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(features, "native_bf16", lambda: True)
@@ -286,7 +286,7 @@ def test_bf16_speedup_is_measured_once_per_machine(monkeypatch, tmp_path):
     be read is measured again and rewritten, one that cannot be written is measured every time."""
     import json
 
-    import grpokit.cpu_features as features
+    import grpokit.machine.cpu_features as features
 
     monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path))
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
@@ -311,7 +311,7 @@ def test_bf16_speedup_is_measured_once_per_machine(monkeypatch, tmp_path):
 def test_bf16_speedup_times_both_dtypes_on_one_thread_and_gives_the_threads_back(monkeypatch):
     import torch
 
-    from grpokit.cpu_features import bf16_speedup
+    from grpokit.machine.cpu_features import bf16_speedup
 
     seen = []
     linear = torch.nn.functional.linear

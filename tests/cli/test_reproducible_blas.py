@@ -1,6 +1,6 @@
 """The ``grpokit`` command asks MKL for strict conditional numerical reproducibility (``MKL_CBWR=AUTO,STRICT``) before
 anything multiplies, unless the user chose a setting: without it two demo runs of one seed parted on a 2-core CPU
-(grpokit/reproducible.py)."""
+(grpokit/machine/reproducible.py)."""
 
 from __future__ import annotations
 

@@ -40,9 +40,9 @@ from datasets import Dataset  # noqa: E402
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from tiny_moe import ShiftedRouters, tiny_moe_model  # noqa: E402
 
+from grpokit.bounds.process_group import exit_process  # noqa: E402
 from grpokit.config import GRPOConfig  # noqa: E402
 from grpokit.forward.sharding import full_weights, sharding_kind  # noqa: E402
-from grpokit.process_group import exit_process  # noqa: E402
 from grpokit.rollout.base import Generation, completion_mask_from_eos  # noqa: E402
 from grpokit.trainer import GRPOTrainer  # noqa: E402
 

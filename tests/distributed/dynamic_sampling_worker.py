@@ -48,6 +48,6 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    from grpokit.process_group import exit_process
+    from grpokit.bounds.process_group import exit_process
 
     exit_process(0)  # a finished gloo collective must not meet the interpreter's teardown

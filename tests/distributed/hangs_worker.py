@@ -21,9 +21,9 @@ from hang import Hang  # noqa: E402
 from scripted_tools import ScriptedBackend, tokenizer  # noqa: E402
 from tiny import tiny_model  # noqa: E402
 
+from grpokit.bounds.user_calls import RunStopped  # noqa: E402
 from grpokit.config import GRPOConfig  # noqa: E402
 from grpokit.trainer import GRPOTrainer  # noqa: E402
-from grpokit.user_calls import RunStopped  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 BOUND = 0.5
@@ -119,6 +119,6 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    from grpokit.process_group import exit_process
+    from grpokit.bounds.process_group import exit_process
 
     exit_process(0)  # the hung calls' daemon threads must not hold the process

@@ -22,8 +22,8 @@ from datasets import Dataset  # noqa: E402
 from hang import Hang  # noqa: E402
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
+from grpokit.bounds.process_group import exit_process  # noqa: E402
 from grpokit.config import GRPOConfig  # noqa: E402
-from grpokit.process_group import exit_process  # noqa: E402
 from grpokit.trainer import GRPOTrainer  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))

@@ -1,4 +1,4 @@
-"""grpokit/process_group.py: a rank that ran a process group ends with its exit handlers run and its output
+"""grpokit/bounds/process_group.py: a rank that ran a process group ends with its exit handlers run and its output
 flushed, with the exit code it returned, and without the interpreter's teardown (where a gloo work thread releasing
 a finished all-gather aborts the process); without a process group, a plain exit."""
 
@@ -9,7 +9,7 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import atexit, sys
     import torch.distributed as dist
-    from grpokit.process_group import distributed_initialized, exit_process
+    from grpokit.bounds.process_group import distributed_initialized, exit_process
 
     marker = sys.argv[1]
     if sys.argv[2] == "group":

@@ -57,6 +57,6 @@ def train(out: str, scenario: str, mixed: bool) -> None:
 if __name__ == "__main__":
     train(sys.argv[1], "images", False)
     train(sys.argv[1], "mixed", True)  # rank 1's batches are text only
-    from grpokit.process_group import exit_process
+    from grpokit.bounds.process_group import exit_process
 
     exit_process(0)  # a finished gloo collective must not meet the interpreter's teardown

@@ -21,10 +21,10 @@ from reliability_helpers import make_args, make_trainer, varied_reward
 from scripted_tools import ScriptedBackend, tokenizer
 from tiny import tiny_model
 
+from grpokit.bounds.user_calls import STOPPING, CallBounds, CallTimeout, Incidents, RunStopped
 from grpokit.rewards import RewardFunctionError, score_completions
 from grpokit.run.checkpoints import verify_checkpoint
 from grpokit.trainer import GRPOTrainer
-from grpokit.user_calls import STOPPING, CallBounds, CallTimeout, Incidents, RunStopped
 
 BOUND = 0.5  # seconds: every bound in these runs (user code that returns takes microseconds here)
 HANGS: dict[str, Hang] = {}

@@ -12,8 +12,8 @@ from runs import varied_reward
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.config import GRPOConfig
-from grpokit.lora_plus import is_lora_b
 from grpokit.trainer import GRPOTrainer
+from grpokit.training.lora_plus import is_lora_b
 
 LR = 1e-3
 

@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     import grpokit.callbacks.training as training
     from grpokit.callbacks import TimeBudget
-    from grpokit.process_group import exit_process
+    from grpokit.bounds.process_group import exit_process
     from transformers import TrainerControl
 
     rank, store, late = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])

@@ -14,8 +14,8 @@ from tiny import tiny_model, tiny_tokenizer
 from transformers import TrainerCallback
 
 from grpokit.config import GRPOConfig
-from grpokit.reference import REFERENCE_FILE, mix_into_reference
 from grpokit.trainer import GRPOTrainer
+from grpokit.training.reference import REFERENCE_FILE, mix_into_reference
 
 
 def dataset(n=16):

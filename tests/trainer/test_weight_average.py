@@ -15,7 +15,7 @@ from grpokit.algorithms.averaging import ema_decay_at, mix_
 from grpokit.config import GRPOConfig
 from grpokit.run.checkpoint_parts import load_parts, save_parts
 from grpokit.trainer import GRPOTrainer
-from grpokit.weight_average import WEIGHT_AVERAGE_FILE, WeightAverage
+from grpokit.training.weight_average import WEIGHT_AVERAGE_FILE, WeightAverage
 
 
 def make_trainer(out, **kw):

@@ -180,7 +180,7 @@ class Worker:
 
 
 def _report_status(status: WorkerStatus, index: int) -> None:
-    from ...watchdog import BOARD
+    from ...bounds.watchdog import BOARD
 
     while True:
         threads = {name: stages for name, stages in BOARD.snapshot().items()}

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
+from ...bounds.watchdog import BOARD, stage
 from ...rewards.process import _status
 from ...rewards.process_child import HEADER, write_frame
-from ...watchdog import BOARD, stage
 from ..partial import check_partial
 from ..producer import AsyncRollouts, ProducedBatch
 from .child import STATUS_BYTES, WorkerStatus

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .algorithms.averaging import ema_decay_at, mix_
+from ..algorithms.averaging import ema_decay_at, mix_
 
 WEIGHT_AVERAGE_FILE = "grpokit_weight_average.safetensors"
 _UPDATES_KEY = "updates"

@@ -91,8 +91,8 @@ def measured_bf16_speedup() -> float:
     """:func:`bf16_speedup` as first measured on this machine (:func:`machine_key`), kept in grpokit's cache folder
     (``$GRPOKIT_CACHE`` or ``~/.cache/grpokit``); measured and kept on first use. A cache that cannot be read or
     written is ignored: it is then measured every time."""
-    from .config_names import cache_dir
-    from .run.files import atomic_write_text
+    from ..config_names import cache_dir
+    from ..run.files import atomic_write_text
 
     path, key = cache_dir() / SPEEDUP_FILE, machine_key()
     try:

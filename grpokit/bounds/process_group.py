@@ -44,7 +44,7 @@ def any_process(flag: bool, device=None) -> bool:
 
 def stop_together(cause: str | None, device=None) -> None:
     """After a batch was scored: when any process carries a stop (``cause``, from
-    :class:`grpokit.user_calls.Incidents`), every process raises :class:`grpokit.user_calls.RunStopped` naming the
+    :class:`grpokit.bounds.user_calls.Incidents`), every process raises :class:`grpokit.bounds.user_calls.RunStopped` naming the
     first rank that stopped and why, so all stop at the same point instead of some waiting for the others in their
     next collective. One MAX all-reduce of one number per batch; the causes are gathered only when there is a stop."""
     from .user_calls import RunStopped

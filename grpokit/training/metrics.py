@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from .pipeline.stats import RolloutStats
+from ..pipeline.stats import RolloutStats
 
 
 def reduce_metrics(values_by_key: dict[str, list]) -> dict[str, float]:

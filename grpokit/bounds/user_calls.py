@@ -78,7 +78,7 @@ class CallBounds:
 
     The flag is set when a bound passes and the run must stop (``reward_timeout_action="stop"``, or a
     ``rollout_func`` that timed out): scoring then calls no more user code, and the trainer stops every rank after
-    the batch (:func:`grpokit.process_group.stop_together`)."""
+    the batch (:func:`grpokit.bounds.process_group.stop_together`)."""
 
     reward_timeout_s: float | None = 300.0
     reward_timeout_action: str = "none"

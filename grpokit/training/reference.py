@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .algorithms.averaging import mix_
+from ..algorithms.averaging import mix_
 
 REFERENCE_FILE = "grpokit_reference.safetensors"
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .algorithms.entropy import AdaptiveEntropyCoef, entropy_bonus
-from .algorithms.masks import high_entropy_mask
+from ..algorithms.entropy import AdaptiveEntropyCoef, entropy_bonus
+from ..algorithms.masks import high_entropy_mask
 
 
 class EntropyBonus:
