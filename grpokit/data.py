@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("grpokit")
 
 CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
                  "environments")
@@ -100,3 +103,80 @@ def check_column_names(name: str, columns) -> None:
     if clash:
         raise ValueError(f"{name} has column(s) {clash} named like keywords reward functions receive from the trainer "
                          f"({', '.join(CALL_KEYWORDS)}); rename them")
+
+def check_datasets(args, train_dataset, eval_dataset) -> None:
+    """Before a model is loaded: the datasets have prompts, and enough of them for one generation batch. A stream
+    (``IterableDataset``) needs ``max_steps`` (its length is unknown) and every process reading it
+    (``dispatch_batches=False``, no dataloader workers, which would interleave and split groups), as in TRL."""
+    check_dataset("train_dataset", train_dataset)
+    evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+    if any(is_iterable_dataset(d) for d in [train_dataset, *evals]):
+        args.accelerator_config.dispatch_batches = no_dispatch(args)
+    if args.max_staleness > 0:
+        if is_iterable_dataset(train_dataset):
+            raise ValueError("max_staleness > 0 is not supported with an IterableDataset train_dataset yet: the rollout "
+                             "producer reads generation batches ahead by index; use a map-style Dataset")
+        if args.world_size > 1 and args.use_vllm and args.vllm_mode == "server":
+            raise ValueError("max_staleness > 0 with vllm_mode='server' on several processes is not supported: the "
+                             "server's one client gathers every rank's prompts, a collective a producer thread cannot "
+                             "make; use vllm_mode='colocate'")
+    if is_iterable_dataset(train_dataset):
+        if args.dynamic_sampling:
+            raise ValueError("dynamic_sampling=True is not supported with an IterableDataset train_dataset yet: it draws "
+                             "replacement prompts from the training set by index; use a map-style Dataset")
+        if args.max_steps <= 0:
+            raise ValueError(f"max_steps={args.max_steps!r} is not allowed with an IterableDataset train_dataset: its "
+                             "length is unknown, so set max_steps to a positive number of optimizer steps")
+        if args.dataloader_num_workers:
+            logger.warning("dataloader_num_workers=%d set to 0: workers would interleave the stream and split the "
+                           "groups of num_generations completions", args.dataloader_num_workers)
+            args.dataloader_num_workers = 0
+    if eval_dataset is not None and not isinstance(eval_dataset, dict):
+        check_dataset("eval_dataset", eval_dataset)
+    from .vision.images import check_images
+
+    for name, dataset in dataset_items(train_dataset, eval_dataset):
+        check_images(dataset, name=name)  # every image read once: a missing file is one line naming row and file
+    if train_dataset is not None and hasattr(train_dataset, "__len__"):
+        check_prompt_count(len(train_dataset), args.generation_batch_size // args.num_generations,
+                           f"generation_batch_size {args.generation_batch_size} / num_generations "
+                           f"{args.num_generations}")
+
+
+def no_dispatch(args) -> bool:
+    """``dispatch_batches`` for a stream (``IterableDataset``): False, every process reads it; True is refused."""
+    if args.accelerator_config.dispatch_batches is True:
+        raise ValueError("accelerator_config.dispatch_batches=True is not allowed: Iterable datasets require "
+                         "`dispatch_batches=False` (every process reads the stream); use False or leave it unset")
+    return False
+
+
+def default_dataset(train_dataset, environment_factory, args):
+    """Without a train_dataset, an environment that makes its own prompts trains on empty user turns (one
+    generation batch of them, repeated), as in TRL; anything else needs a dataset."""
+    if train_dataset is not None:
+        return train_dataset
+    if environment_factory is None:
+        raise ValueError("`train_dataset` is required: pass a train_dataset, or an environment_factory whose "
+                         "environments make their own prompts (with max_steps)")
+    if isinstance(environment_factory, dict):
+        raise ValueError("a dict environment_factory (several environments) needs a train_dataset with an "
+                         "'environment' column saying which one each prompt uses")
+    if args.max_steps <= 0:
+        raise ValueError(f"max_steps={args.max_steps!r} is not allowed without a train_dataset: set max_steps to a "
+                         "positive number of optimizer steps (the environment makes the prompts)")
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] *
+                                        (args.generation_batch_size // args.num_generations)})
+
+
+def dataset_items(train_dataset, eval_dataset) -> list[tuple[str, object]]:
+    """``(name, dataset)`` of the training set and every evaluation set (a dict of them named by key)."""
+    items = [("train_dataset", train_dataset)]
+    if isinstance(eval_dataset, dict):
+        items += [(f"eval_dataset[{k!r}]", d) for k, d in eval_dataset.items()]
+    else:
+        items.append(("eval_dataset", eval_dataset))
+    return [(n, d) for n, d in items if d is not None]
+

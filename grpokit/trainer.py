@@ -7,8 +7,9 @@ One dataloader batch is one *generation batch* (:class:`grpokit.pipeline.GroupRe
 ``steps_per_generation × num_iterations`` micro-steps the pipeline turns it into a scored
 :class:`grpokit.batch.RolloutBatch` (or, with ``max_staleness`` > 0, hands over the batch its producer generated
 ahead from the same prompt order); the :class:`grpokit.batch.RolloutBuffer` splits it into ``steps_per_generation``
-micro-batches and serves them on the following micro-steps. Setup lives in :mod:`grpokit.trainer_setup`; what the
-pipeline needs from the trainer in :mod:`grpokit.trainer_driver`.
+micro-batches and serves them on the following micro-steps. Setup lives with what it sets up (the policy:
+:mod:`grpokit.training.policy`; rewards: :mod:`grpokit.rewards.setup`; the pipeline: :mod:`grpokit.pipeline.build`;
+datasets: :mod:`grpokit.data`; ...); what the pipeline needs from the trainer in :mod:`grpokit.trainer_driver`.
 """
 
 from __future__ import annotations
@@ -28,40 +29,31 @@ from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
 from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import install_hooks
 from .config import GRPOConfig
-from .data import is_iterable_dataset
+from .data import check_datasets, default_dataset, is_iterable_dataset, no_dispatch
 from .forward.fused_lora import fused_lora
 from .forward.logprobs import completion_logps
 from .forward.sharding import sharding_kind
 from .models import cast_lm_head_to_fp32
 from .moe import MoeRouting
+from .moe.training import route_recording_absent
 from .pipeline import GroupRepeatIterable, GroupRepeatSampler
+from .pipeline.build import build_pipeline
 from .pipeline.producer import AsyncRollouts
 from .pipeline.workers import RolloutWorkers, check_crossing
+from .rewards.setup import setup_rewards
+from .rollout.backends import default_rollout
 from .run.checkpoint_parts import load_parts, save_parts
 from .run.checkpoints import CheckpointingMixin, rng_state
 from .run.run_dir import run_signature, save_signature
+from .tools.session import multiturn_parts
 from .trainer_driver import TrainerDriver
-from .trainer_setup import (
-    add_adapter,
-    build_pipeline,
-    check_datasets,
-    check_vocabulary,
-    default_dataset,
-    default_rollout,
-    is_peft,
-    keep_4bit_layers_trainable,
-    load_policy,
-    multiturn_parts,
-    no_dispatch,
-    route_recording_absent,
-    setup_rewards,
-    setup_vision,
-)
 from .training.entropy_control import EntropyBonus
 from .training.gradient_guard import guard_gradients
 from .training.metrics import MetricsStore
+from .training.policy import add_adapter, check_vocabulary, is_peft, keep_4bit_layers_trainable, load_policy
 from .training.reference import ReferenceWeights, check_sync_ref_model, mix_into_reference
 from .training.weight_average import start_weight_average
+from .vision.setup import setup_vision
 
 logger = logging.getLogger("grpokit")
 

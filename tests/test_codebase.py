@@ -19,7 +19,7 @@ pytestmark = pytest.mark.codebase
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "grpokit"
 MAX_FUNCTION_LINES = 80
-MAX_TOP_LEVEL_MODULES = 13
+MAX_TOP_LEVEL_MODULES = 12
 """Modules directly under grpokit/ (``__init__`` included): the rest live in the wings' folders (forward/, run/,
 bounds/, machine/, training/, pipeline/, rollout/, ...). Lower it as modules find their wing; never raise it."""
 
@@ -160,8 +160,8 @@ def test_the_top_level_stays_small():
 
 
 def test_the_trainer_is_glue():
-    """GRPOTrainer orchestrates (transformers.Trainer glue); the rollout side lives in grpokit/pipeline/, setup in
-    grpokit/trainer_setup.py."""
+    """GRPOTrainer orchestrates (transformers.Trainer glue); the rollout side lives in grpokit/pipeline/, setup with
+    what it sets up (grpokit/training/policy.py, grpokit/rewards/setup.py, grpokit/pipeline/build.py, ...)."""
     path = PACKAGE / "trainer.py"
     lines = len(path.read_text().splitlines())
     tree = ast.parse(path.read_text())
@@ -203,7 +203,7 @@ def test_nothing_outside_the_trainer_touches_its_private_members():
     assert not found, "reaching into GRPOTrainer's private members: " + ", ".join(found)
 
 
-TRAINER_MODULES = {"grpokit.trainer", "grpokit.trainer_driver", "grpokit.trainer_setup"}
+TRAINER_MODULES = {"grpokit.trainer", "grpokit.trainer_driver"}
 
 
 def test_the_pipeline_imports_nothing_of_the_trainer():

@@ -141,3 +141,22 @@ class MoeRouting:
                 spread = ratio_std(log_ratio, where)
                 if not torch.isnan(spread):
                     record(f"{prefix}/{name}", spread)
+
+
+def route_recording_absent(rollout, rollout_func, multiturn, model=None) -> str:
+    """Why the run's sampler cannot record a Mixture-of-Experts policy's experts ("" when it can: grpokit's
+    transformers backend generating every completion in one call)."""
+    from ..rollout.transformers_backend import TransformersRollout
+
+    if rollout_func is not None:
+        return "a rollout_func"
+    if multiturn is not None:
+        return "tools or an environment_factory"
+    from ..vision.detection import is_vlm
+
+    if model is not None and is_vlm(model):  # (a VLM's generation with images is not laid out as its rows yet)
+        return "a vision-language model"
+    if type(rollout).__name__ == "VLLMRollout":  # vLLM can (enable_return_routed_experts); grpokit's client does not ask
+        return "use_vllm=True (grpokit does not ask vLLM for the experts it routes to yet)"
+    return "" if isinstance(rollout, TransformersRollout) else f"the {type(rollout).__name__} rollout backend"
+

@@ -3,6 +3,7 @@ chat template before anything runs, give every rollout its environment and its t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,8 @@ from .environments import Environments, reset_all, reset_prompt
 from .loop import ToolRollouts, run_tool_loop
 from .parsing import detect_style
 from .templates import supports_tool_calls
+
+logger = logging.getLogger("grpokit")
 
 
 def check_tools(tools: Any) -> list[Callable]:
@@ -127,3 +130,15 @@ class MultiTurn:
                              limits.eos_ids, self.max_iterations, limits.max_completion_length, limits.max_model_len,
                              self.chat_template_kwargs, bounds, incidents, prepared.environments, vision=vision,
                              images=images)
+
+
+def multiturn_parts(tools, environment_factory, args):
+    """The trainer's tools and environments (None without either); checked before any model is loaded."""
+    tools = check_tools(tools)
+    if not tools and environment_factory is None:
+        if args.max_tool_calling_iterations is not None:
+            logger.warning("max_tool_calling_iterations=%s has no effect without tools or an environment_factory",
+                           args.max_tool_calling_iterations)
+        return None
+    return MultiTurn(tools, environment_factory, args.max_tool_calling_iterations, args.chat_template_kwargs)
+
