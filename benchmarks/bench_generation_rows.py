@@ -63,7 +63,7 @@ def main() -> None:
     body = "\n".join(table) + (
         f"\n\n{args.tokens} new tokens per completion, {args.dtype} weights with the adapter merged once for all "
         "calls (as in a dynamic-sampling batch), the demo's sampling. Rounds of one batch (32 completions) each pay "
-        "the full per-token cost of a forward pass through 30 layers for few rows; docs/demo.md (`oversample`) has "
+        "the full per-token cost of a forward pass through 30 layers for few rows; benchmarks/demo_runs.md (`oversample`) has "
         "what one large refill round did for the demo.")
     if not args.no_write:
         write_section(f"Generation rows on SmolLM2-135M (LoRA r16, {args.dtype})",

@@ -6,7 +6,7 @@ model's.
 
     python benchmarks/demo_algos.py run --steps 12            # resumable: finished runs are skipped
     python benchmarks/demo_algos.py run --steps 12 --algos grpo vespo
-    python benchmarks/demo_algos.py summarize                 # the markdown table (docs/demo.md holds it)
+    python benchmarks/demo_algos.py summarize                 # the markdown table (benchmarks/demo_runs.md holds it)
 
 A fixed step budget rather than a wall-clock one: what each algorithm is given does not depend on what else the
 machine is doing. Results: runs/demo_algos/<algo>-seed<seed>-<steps>steps/ (runs of several budgets side by side).

@@ -2,7 +2,7 @@
 the greedy accuracy on the first ``--n`` training questions, then each question answered wrong sampled ``--samples``
 times by grpokit's sampler the way the demo samples (temperature 0.9 among the 50 likeliest tokens, or
 ``--temperature``), counting the right answers. A question that never draws one gives a group whose completions
-all score alike: no advantage, nothing for GRPO to learn from it (docs/demo.md, "What holds the plateau").
+all score alike: no advantage, nothing for GRPO to learn from it (benchmarks/demo_runs.md, "What holds the plateau").
 
     python benchmarks/demo_exploration_probe.py runs/demo/final                      # ~1 min on a 2-core CPU
     python benchmarks/demo_exploration_probe.py runs/demo/final --temperature 1.3 --n 64

@@ -9,7 +9,7 @@
     python benchmarks/demo_probe.py smollm2-135m-instruct                 # the base model
     python benchmarks/demo_probe.py runs/demo/final --k 8 --temperature 1.0   # a demo's trained adapter
 
-docs/demo.md holds what it measured.
+benchmarks/demo_recipe_search.md holds what it measured.
 """
 
 from __future__ import annotations

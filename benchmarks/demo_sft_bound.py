@@ -13,7 +13,7 @@ handed to the model instead of sampled and scored. Two reply styles, the two a d
     python benchmarks/demo_sft_bound.py --style restate --epochs 3
 
 Prints, after each epoch, the held-out greedy accuracy (95% Wilson interval) and the training seconds so far
-(evaluations not counted). docs/demo.md ("A supervised yardstick") holds what it measured.
+(evaluations not counted). benchmarks/demo_recipe_search.md ("A supervised yardstick") holds what it measured.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ a paired comparison on one trajectory (training does not depend on the average).
     python benchmarks/ema_probe.py --steps 60 --every 10 --decays 0.8 0.9 0.95     # ~12 min on a 2-core CPU
     python benchmarks/ema_probe.py --steps 2 --every 1 --n 8                         # a quick check
 
-Prints one line per evaluation and writes runs/ema_probe/seed<S>.json. docs/demo.md ("Weight averaging") holds the
+Prints one line per evaluation and writes runs/ema_probe/seed<S>.json. docs/algorithms.md ("9. Weight averaging") holds the
 numbers. The job is the demo's (``grpokit.run.job.run_job``, quiet), the averages the probe's own
 (:class:`grpokit.training.weight_average.WeightAverage`, one per decay).
 """
