@@ -159,6 +159,21 @@ def test_the_top_level_stays_small():
             f"grpokit/{wing.name}/__init__.py does not say what the wing owns (a docstring)"
 
 
+def test_every_http_reward_service_is_one_class_on_the_base():
+    """A reward class that calls a service at a base URL is an ``HttpRewardService`` (the shared set-up lives there
+    once) and is registered for configs with ``@reward_class`` (no second hand-written list)."""
+    for path in (PACKAGE / "rewards").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
+            init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+            if init is None or "base_url" not in [a.arg for a in init.args.args]:
+                continue
+            bases = [getattr(b, "id", getattr(b, "attr", "")) for b in cls.bases]
+            decorators = [getattr(d, "id", getattr(d, "attr", "")) for d in cls.decorator_list]
+            assert "HttpRewardService" in bases, f"{path.name}: {cls.name} takes a base_url but is no HttpRewardService"
+            assert "reward_class" in decorators, f"{path.name}: {cls.name} is not registered with @reward_class"
+
+
 def test_the_trainer_is_glue():
     """GRPOTrainer orchestrates (transformers.Trainer glue); the rollout side lives in grpokit/pipeline/, setup with
     what it sets up (grpokit/training/policy.py, grpokit/rewards/setup.py, grpokit/pipeline/build.py, ...)."""

@@ -26,6 +26,7 @@ from .builtin import (
     make_length_reward,
     word_count,
 )
+from .classes import reward_class
 from .code_execution import CodeExecution
 from .judge import LLMJudge
 from .registry import (
@@ -40,7 +41,7 @@ from .registry import (
     reward_func_name,
 )
 from .remote_model import RemoteRewardModel
-from .service import RewardServiceError
+from .service import HttpRewardService, RewardServiceError
 
 
 def __getattr__(name):  # scoring needs torch; the rest of the package does not (a job's spec is checked without it)
@@ -56,6 +57,7 @@ __all__ = [
     "REWARD_CLASSES",
     "REWARD_FUNCS",
     "CodeExecution",
+    "HttpRewardService",
     "LLMJudge",
     "RemoteRewardModel",
     "RewardFunctionError",
@@ -75,6 +77,7 @@ __all__ = [
     "parse_number",
     "register_reward_func",
     "resolve_reward_funcs",
+    "reward_class",
     "reward_func_name",
     "reward_from_mapping",
     "score_completions",

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .builtin import completion_text
+from .classes import reward_class
 from .sandbox import STATUSES, Isolation, Limits, RunResult, detect_isolation, run_sandboxed
 from .service import MetricLog, check_name
 
@@ -82,6 +83,7 @@ def _positive(owner: str, name: str, value: Any, integer: bool = True, optional:
                          f"{'integer' if integer else 'number'}" + (" or None" if optional else ""))
 
 
+@reward_class
 class CodeExecution:
     """A reward function that runs each completion's code against its row's tests (see the module docstring).
 

@@ -18,24 +18,17 @@ timeouts, retries, the cache, the failure policy): :mod:`grpokit.rewards.service
 from __future__ import annotations
 
 import string
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .builtin import completion_text
+from .classes import reward_class
 from .judge_parsing import ScoreRule, parse_score
 from .service import (
-    MetricLog,
+    HttpRewardService,
     RequestFailed,
-    ServiceCaller,
     TransientError,
-    api_key_from_env,
-    check_base_url,
-    check_name,
     classify_status,
-    make_redactor,
-    missing_extra,
-    policy_from,
     request_key,
     retry_after_seconds,
     service_counts,
@@ -80,7 +73,8 @@ def template_fields(owner: str, what: str, template: Any) -> list[str]:
     return fields
 
 
-class LLMJudge:
+@reward_class
+class LLMJudge(HttpRewardService):
     """A reward function whose scores come from a chat model grading each completion (see the module docstring).
 
     Args:
@@ -96,7 +90,11 @@ class LLMJudge:
         temperature, max_tokens, extra_body: sent with each request (``extra_body``: more fields of the request body).
         max_concurrency, timeout_s, max_retries, backoff_s, max_backoff_s, on_failure, cache_size: how the endpoint
             is called (:mod:`grpokit.rewards.service`).
+
+    ``stats``: requests, retries, failures, cache_hits and parse_failures over every call so far.
     """
+
+    package, serves, repr_fields = "openai", "the judge", ("model",)
 
     def __init__(self, base_url: str, model: str, prompt: str, *, system: str | None = None,
                  api_key_env: str | None = None, name: str = "llm_judge",
@@ -106,8 +104,6 @@ class LLMJudge:
                  max_concurrency: int = 8, timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.5,
                  max_backoff_s: float = 30.0, on_failure: str = "none", cache_size: int = 10_000):
         owner = "LLMJudge"
-        self.__name__ = check_name(owner, name)
-        self.base_url = check_base_url(owner, base_url)
         if not isinstance(model, str) or not model.strip():
             raise ValueError(f"{owner}.model={model!r} is not allowed: expected the model name the endpoint serves")
         self.model = model
@@ -123,51 +119,15 @@ class LLMJudge:
         if extra_body is not None and not isinstance(extra_body, dict):
             raise ValueError(f"{owner}.extra_body={extra_body!r} is not allowed: expected a mapping")
         self.temperature, self.max_tokens, self.extra_body = float(temperature), max_tokens, dict(extra_body or {})
-        self.policy = policy_from(owner, max_concurrency=max_concurrency, timeout_s=timeout_s,
-                                  max_retries=max_retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
-                                  on_failure=on_failure, cache_size=cache_size)
-        self.api_key_env = api_key_env
-        api_key_from_env(owner, api_key_env)  # an unset variable fails here, before any model is loaded
-        try:
-            import openai  # noqa: F401
-        except ImportError:
-            raise missing_extra(owner, "openai") from None
-        self._setup()
+        self._init_service(base_url, name, api_key_env, max_concurrency=max_concurrency, timeout_s=timeout_s,
+                           max_retries=max_retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+                           on_failure=on_failure, cache_size=cache_size)
 
-    def _setup(self) -> None:
-        """What is not pickled: the client, the caller (cache, counts) and the key's redactor."""
-        self._client = None
-        self._client_lock = threading.Lock()
-        self._redact: Callable[[str], str] = make_redactor(api_key_from_env("LLMJudge", self.api_key_env))
-        self._caller = ServiceCaller(self.__name__, self.policy, f"the judge at {self.base_url}", self._redact)
-        self.metrics = MetricLog(self.__name__)
+    def _make_client(self):
+        import openai
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()
-                if k not in ("_client", "_client_lock", "_redact", "_caller", "metrics")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._setup()
-
-    def __repr__(self) -> str:
-        key = f", api_key_env={self.api_key_env!r}" if self.api_key_env else ""
-        return f"LLMJudge(name={self.__name__!r}, base_url={self.base_url!r}, model={self.model!r}{key})"
-
-    @property
-    def stats(self) -> dict[str, float]:
-        """Counts over every call so far: requests, retries, failures, cache_hits, parse_failures."""
-        return dict(self.metrics.totals)
-
-    def _get_client(self):
-        with self._client_lock:
-            if self._client is None:
-                import openai
-
-                key = api_key_from_env("LLMJudge", self.api_key_env) or "none"  # local servers want no key
-                self._client = openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0,
-                                             timeout=self.policy.timeout_s)
-            return self._client
+        return openai.OpenAI(base_url=self.base_url, api_key=self._api_key() or "none",  # local servers want no key
+                             max_retries=0, timeout=self.policy.timeout_s)
 
     def request(self, prompt: Any, completion: Any, row: dict[str, Any]) -> dict[str, Any]:
         """The chat request for one row (the body sent, without the key)."""

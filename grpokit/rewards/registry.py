@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .builtin import correctness, format_reward, length, word_count
+from .classes import REWARD_CLASSES
 
 RewardFunc = Callable[..., list]
 
@@ -42,15 +43,11 @@ def list_reward_funcs() -> list[str]:
     return sorted(REWARD_FUNCS)
 
 
-REWARD_CLASSES = ("LLMJudge", "CodeExecution", "RemoteRewardModel")
-"""Reward classes a config names with their arguments: ``{LLMJudge: {base_url: ..., ...}}``."""
+def _reward_classes() -> dict[str, type]:
+    """Every registered reward class (grpokit's own modules imported first: their classes register themselves)."""
+    from . import code_execution, judge, remote_model  # noqa: F401
 
-
-def _reward_class(name: str) -> type:
-    from . import code_execution, judge, remote_model
-
-    return {"LLMJudge": judge.LLMJudge, "CodeExecution": code_execution.CodeExecution,
-            "RemoteRewardModel": remote_model.RemoteRewardModel}[name]
+    return REWARD_CLASSES
 
 
 def reward_from_mapping(spec: Any) -> RewardFunc:
@@ -63,16 +60,17 @@ def reward_from_mapping(spec: Any) -> RewardFunc:
         raise ValueError(f"a reward_funcs entry that is a mapping names one class with its arguments, e.g. "
                          f"{{CodeExecution: {{timeout_s: 5}}}}; got {_short(spec)}")
     (name, args), = spec.items()
-    if name not in REWARD_CLASSES:
-        close = difflib.get_close_matches(str(name), REWARD_CLASSES, n=1)
+    classes = _reward_classes()
+    if name not in classes:
+        close = difflib.get_close_matches(str(name), list(classes), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ValueError(f"reward_funcs entry {{{name}: ...}}: unknown reward class{hint} (classes: "
-                         f"{', '.join(REWARD_CLASSES)})")
+                         f"{', '.join(sorted(classes))})")
     args = {} if args is None else args
     if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
         raise ValueError(f"reward_funcs entry {{{name}: ...}}: its arguments must be a mapping of option: value, got "
                          f"{_short(args)}")
-    cls = _reward_class(name)
+    cls = classes[name]
     options = [p for p in inspect.signature(cls).parameters if p != "self"]
     unknown = [k for k in args if k not in options]
     if unknown:
@@ -98,7 +96,7 @@ def check_reward_specs(specs: Any) -> None:
     items = specs if isinstance(specs, list) else [specs]
     if not items or not all(isinstance(s, (str, dict)) for s in items):
         raise ValueError(f"reward_funcs={_short(specs)} is not allowed: expected a reward name, module:function or "
-                         f"a mapping {{Class: {{option: value}}}} ({', '.join(REWARD_CLASSES)}), or a list of them")
+                         f"a mapping {{Class: {{option: value}}}} ({', '.join(sorted(_reward_classes()))}), or a list of them")
     for i, item in enumerate(items):
         if isinstance(item, dict):
             try:

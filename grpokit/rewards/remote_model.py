@@ -18,23 +18,16 @@ the failure policy): :mod:`grpokit.rewards.service`. The cache is per text.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .builtin import completion_text
+from .classes import reward_class
 from .service import (
-    MetricLog,
+    HttpRewardService,
     RequestFailed,
-    ServiceCaller,
     TransientError,
-    api_key_from_env,
-    check_base_url,
-    check_name,
     classify_status,
-    make_redactor,
-    missing_extra,
-    policy_from,
     request_key,
     retry_after_seconds,
     service_counts,
@@ -45,7 +38,8 @@ __all__ = ["RemoteRewardModel"]
 APIS = ("tei", "vllm")
 
 
-class RemoteRewardModel:
+@reward_class
+class RemoteRewardModel(HttpRewardService):
     """A reward function whose scores come from a reward model served elsewhere (see the module docstring).
 
     Args:
@@ -60,7 +54,12 @@ class RemoteRewardModel:
         name: the name metrics are logged under (``rewards/<name>/...``).
         max_concurrency, timeout_s, max_retries, backoff_s, max_backoff_s, on_failure, cache_size: how the server is
             called (:mod:`grpokit.rewards.service`).
+
+    ``stats``: requests, retries, failures and cache_hits over every call so far.
     """
+
+    package, serves, repr_fields = "httpx", "the reward model", ("api",)
+    _unpickled = (*HttpRewardService._unpickled, "_tokenizer")
 
     def __init__(self, base_url: str, *, api: str = "tei", model: str | None = None, label: int | str = 0,
                  raw_scores: bool = True, batch_size: int = 16, tokenizer: str | None = None,
@@ -68,8 +67,6 @@ class RemoteRewardModel:
                  timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  on_failure: str = "none", cache_size: int = 10_000):
         owner = "RemoteRewardModel"
-        self.__name__ = check_name(owner, name)
-        self.base_url = check_base_url(owner, base_url)
         if api not in APIS:
             raise ValueError(f"{owner}.api={api!r} is not allowed: use one of {', '.join(map(repr, APIS))}")
         if api == "vllm" and (not isinstance(model, str) or not model.strip()):
@@ -89,51 +86,20 @@ class RemoteRewardModel:
             raise ValueError(f"{owner}.tokenizer={tokenizer!r} is not allowed: expected a tokenizer directory or id")
         self.api, self.model, self.label, self.raw_scores = api, model, label, raw_scores
         self.batch_size, self.tokenizer_name = batch_size, tokenizer
-        self.policy = policy_from(owner, max_concurrency=max_concurrency, timeout_s=timeout_s,
-                                  max_retries=max_retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
-                                  on_failure=on_failure, cache_size=cache_size)
-        self.api_key_env = api_key_env
-        api_key_from_env(owner, api_key_env)
-        try:
-            import httpx  # noqa: F401
-        except ImportError:
-            raise missing_extra(owner, "httpx") from None
-        self._setup()
+        self._init_service(base_url, name, api_key_env, max_concurrency=max_concurrency, timeout_s=timeout_s,
+                           max_retries=max_retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+                           on_failure=on_failure, cache_size=cache_size)
 
     def _setup(self) -> None:
         """What is not pickled: the HTTP client, the tokenizer, the caller (cache, counts) and the key's redactor."""
-        self._client = self._tokenizer = None
-        self._lock = threading.Lock()
-        self._redact: Callable[[str], str] = make_redactor(api_key_from_env("RemoteRewardModel", self.api_key_env))
-        self._caller = ServiceCaller(self.__name__, self.policy, f"the reward model at {self.base_url}", self._redact)
-        self.metrics = MetricLog(self.__name__)
+        super()._setup()
+        self._tokenizer = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()
-                if k not in ("_client", "_tokenizer", "_lock", "_redact", "_caller", "metrics")}
+    def _make_client(self):
+        import httpx
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._setup()
-
-    def __repr__(self) -> str:
-        key = f", api_key_env={self.api_key_env!r}" if self.api_key_env else ""
-        return f"RemoteRewardModel(name={self.__name__!r}, base_url={self.base_url!r}, api={self.api!r}{key})"
-
-    @property
-    def stats(self) -> dict[str, float]:
-        """Counts over every call so far: requests, retries, failures, cache_hits."""
-        return dict(self.metrics.totals)
-
-    def _get_client(self):
-        with self._lock:
-            if self._client is None:
-                import httpx
-
-                key = api_key_from_env("RemoteRewardModel", self.api_key_env)
-                headers = {"Authorization": f"Bearer {key}"} if key else {}
-                self._client = httpx.Client(timeout=self.policy.timeout_s, headers=headers)
-            return self._client
+        key = self._api_key()
+        return httpx.Client(timeout=self.policy.timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {})
 
     def _chat_text(self, prompt: list, completion: Any) -> str:
         with self._lock:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import email.utils
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -349,3 +350,68 @@ def check_base_url(owner: str, base_url: Any) -> str:
 
 def missing_extra(owner: str, package: str) -> ImportError:
     return ImportError(f"{owner} needs the {package!r} package: pip install 'grpokit[services]'")
+
+
+class HttpRewardService:
+    """What every HTTP scoring service shares (:class:`grpokit.rewards.LLMJudge`,
+    :class:`grpokit.rewards.RemoteRewardModel`): its name, base URL and failure policy checked in one line each, the
+    API key read from its environment variable (an unset one fails before any model loads) and redacted from every
+    message, the client package checked, a lazily made client behind a lock, the caller (concurrency, retries, cache,
+    counts) and the metric log, pickling without any of those, ``stats`` and ``repr``. A subclass sets
+    :attr:`package` and :attr:`serves` and makes its client in :meth:`_make_client`; a new service is one class."""
+
+    package: str = ""
+    """The client package it needs (an extra of grpokit's)."""
+    serves: str = "the service"
+    """What sits at the base URL, for messages: ``"<serves> at <base_url>"``."""
+    repr_fields: tuple[str, ...] = ()
+    """Fields shown in ``repr`` after the name and base URL."""
+    _unpickled = ("_client", "_lock", "_redact", "_caller", "metrics")
+
+    def _init_service(self, base_url: Any, name: Any, api_key_env: str | None, **policy: Any) -> None:
+        owner = type(self).__name__
+        self.__name__ = check_name(owner, name)
+        self.base_url = check_base_url(owner, base_url)
+        self.policy = policy_from(owner, **policy)
+        self.api_key_env = api_key_env
+        api_key_from_env(owner, api_key_env)  # an unset variable fails here, before any model is loaded
+        if importlib.util.find_spec(self.package) is None:
+            raise missing_extra(owner, self.package)
+        self._setup()
+
+    def _setup(self) -> None:
+        """What is not pickled: the client, its lock, the caller (cache, counts) and the key's redactor."""
+        self._client = None
+        self._lock = threading.Lock()
+        self._redact: Callable[[str], str] = make_redactor(self._api_key())
+        self._caller = ServiceCaller(self.__name__, self.policy, f"{self.serves} at {self.base_url}", self._redact)
+        self.metrics = MetricLog(self.__name__)
+
+    def _api_key(self) -> str | None:
+        return api_key_from_env(type(self).__name__, self.api_key_env)
+
+    def _get_client(self):
+        with self._lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _make_client(self):
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._unpickled}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    def __repr__(self) -> str:
+        fields = "".join(f", {f}={getattr(self, f)!r}" for f in self.repr_fields)
+        key = f", api_key_env={self.api_key_env!r}" if self.api_key_env else ""
+        return f"{type(self).__name__}(name={self.__name__!r}, base_url={self.base_url!r}{fields}{key})"
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Counts over every call so far (requests, retries, failures, cache hits, and the service's own)."""
+        return dict(self.metrics.totals)
