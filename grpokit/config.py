@@ -368,14 +368,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     def __post_init__(self) -> None:
         self._parse_json_fields()
         self._validate_own_fields()
-        # TRL users write gradient_checkpointing; transformers 5 calls it activation_checkpointing. Map it here so
-        # neither a deprecation warning nor TRL's default (True) hides the user's choice.
-        if self.activation_checkpointing is None:
-            self.activation_checkpointing = True if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
-        if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is not None:
-            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
-        self.gradient_checkpointing = self.activation_checkpointing
-        self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
+        self._map_checkpointing_names()
         if self.warmup_ratio is not None and not self.warmup_steps:
             self.warmup_steps = float(self.warmup_ratio)
         if self.bf16 is None:
@@ -392,6 +385,21 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         super().__post_init__()
         self._derive_batches()
         self._warn_combinations()
+
+    def _map_checkpointing_names(self) -> None:
+        """TRL users write gradient_checkpointing; newer transformers (5.25) calls it activation_checkpointing, older
+        ones (5.19 and before) know only gradient_checkpointing. Map it here so neither a deprecation warning nor
+        TRL's default (True) hides the user's choice."""
+        if not hasattr(self, "activation_checkpointing"):  # an older transformers: its one name is the one to set
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = True
+            return
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = True if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
+        if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is not None:
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
+        self.gradient_checkpointing = self.activation_checkpointing
+        self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
 
     def _parse_json_fields(self) -> None:
         """Mapping fields may be given as JSON text (the command line's only way)."""

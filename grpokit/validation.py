@@ -1,6 +1,10 @@
 """How grpokit checks user input: one error line naming the field, the value (shortened) and what is allowed.
 
-``GRPOConfig``, the job spec of ``grpokit train`` and the CLI flags all check their values with :class:`Checker`.
+Every refusal of a user's value is written here: :class:`Checker` checks a config's or a mapping's fields (kinds,
+ranges, choices), and :func:`refusal` words any other refusal (a combination of settings, a value the code found
+wrong later) the same way: ``"<field>=<value> is not allowed[ <when>]: <what is>"``. ``GRPOConfig``, the job spec of
+``grpokit train``, the CLI flags, the scoring services and the tasks all refuse through them (tests/test_codebase.py
+keeps the phrase out of every other module).
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ def format_range(lo: float | None, hi: float | None, lo_open: bool, hi_open: boo
     return f"{lb}, {ub}"
 
 
+def refusal(name: str, value: Any, allowed: str, *, when: str = "", error: Callable[[str], Exception] = ValueError,
+            prefix: str = "") -> Exception:
+    """The error for a refused value: ``"<prefix><name>=<value> is not allowed[ <when>]: <allowed>"``, the value
+    shortened (:func:`short_repr`). ``when`` names what makes it wrong (``"with use_vllm=True"``); raise what this
+    returns."""
+    return error(f"{prefix}{name}={short_repr(value)} is not allowed{' ' + when if when else ''}: {allowed}")
+
+
 class Checker:
     """Checks the attributes of ``obj`` (a config or a mapping viewed through ``get``) and raises ``error`` with
     ``"<prefix><name>=<value> is not allowed: <what is>"``."""
@@ -41,8 +53,9 @@ class Checker:
     def value(self, name: str) -> Any:
         return self.get(self.obj, name)
 
-    def bad(self, name: str, allowed: str) -> Exception:
-        return self.error(f"{self.prefix}{name}={short_repr(self.value(name))} is not allowed: {allowed}")
+    def bad(self, name: str, allowed: str, *, when: str = "") -> Exception:
+        """The error for field ``name``'s current value (raise it)."""
+        return refusal(name, self.value(name), allowed, when=when, error=self.error, prefix=self.prefix)
 
     def choice(self, name: str, options) -> None:
         if self.value(name) not in options:
