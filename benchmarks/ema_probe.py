@@ -43,7 +43,7 @@ def main() -> None:
     spec.update(output_dir=str(out / f"seed{ns.seed}"), seed=ns.seed, max_steps=ns.steps, ema_decay=None)
     spec.pop("time_budget_s", None)
     spec["eval"] = {**spec["eval"], "before": False, "after": False, "every_steps": None}
-    task, ev = prepare(spec)[2], spec["eval"]  # the job's own held-out questions (validation only, nothing loaded)
+    task, ev = prepare(spec).task, spec["eval"]  # the job's own held-out questions (validation only, nothing loaded)
     records: list[dict] = []
 
     class Probe(TrainerCallback):

@@ -13,11 +13,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from ..validation import short_repr
+from ..validation import refusal
 from .files import atomic_write_text
 from .job_spec import JOB_KEYS, JobError, TrainingInterrupted, check_lora, split_spec
 
-__all__ = ["JOB_KEYS", "JobError", "TrainingInterrupted", "algorithms", "prepare", "run_job"]
+__all__ = ["JOB_KEYS", "JobError", "PreparedJob", "TrainingInterrupted", "algorithms", "prepare", "run_job"]
 
 logger = logging.getLogger("grpokit")
 
@@ -53,10 +53,14 @@ def coerce_value(name: str, value: Any, field: dataclasses.Field) -> Any:
     become numbers. Raises :class:`JobError` naming the field, the value and the expected type."""
     t = _type_name(field).replace(" ", "")
     parts = set(t.replace("Optional[", "").replace("]", "").split("|"))
+
+    def bad(allowed: str) -> JobError:
+        return refusal(name, value, allowed, error=JobError)
+
     if value is None:
         if "None" in parts or field.default is None:
             return None
-        raise JobError(f"{name}=None is not allowed: expected {t}")
+        raise bad(f"expected {t}")
     if "bool" in parts and isinstance(value, bool):
         return value
     if parts & {"float", "int"} and not isinstance(value, bool):
@@ -66,27 +70,27 @@ def coerce_value(name: str, value: Any, field: dataclasses.Field) -> Any:
             try:
                 number = float(value)
             except ValueError:
-                raise JobError(f"{name}={short_repr(value)} is not allowed: expected {t}") from None
+                raise bad(f"expected {t}") from None
             return int(number) if "float" not in parts and number.is_integer() else number
     if parts <= {"bool", "None"} and not isinstance(value, bool):
-        raise JobError(f"{name}={short_repr(value)} is not allowed: expected true or false")
+        raise bad("expected true or false")
     if parts <= {"int", "None"} and not isinstance(value, int):
-        raise JobError(f"{name}={short_repr(value)} is not allowed: expected an integer")
+        raise bad("expected an integer")
     if parts <= {"float", "None"} and not isinstance(value, (int, float)):
-        raise JobError(f"{name}={short_repr(value)} is not allowed: expected a number")
+        raise bad("expected a number")
     from ..config import CHOICE_FIELDS
 
     if parts <= {"str", "None"} and not isinstance(value, str) and name not in CHOICE_FIELDS:
-        raise JobError(f"{name}={short_repr(value)} is not allowed: expected a string")  # (choices: GRPOConfig lists them)
+        raise bad("expected a string")  # (choices: GRPOConfig lists them)
     if any(p.startswith("dict") for p in parts) and not isinstance(value, dict) and not (
             "str" in parts and isinstance(value, str)):
-        raise JobError(f"{name}={short_repr(value)} is not allowed: expected a mapping (key: value)")
+        raise bad("expected a mapping (key: value)")
     if any(p.startswith("list") for p in parts) and not isinstance(value, list) and not (
             "str" in parts and isinstance(value, str)):
-        raise JobError(f"{name}={short_repr(value)} is not allowed: expected a list")
+        raise bad("expected a list")
     choices = _enum_values(field)
     if choices and not (isinstance(value, str) and value in choices):
-        raise JobError(f"{name}={short_repr(value)} is not allowed: use one of {', '.join(map(repr, choices))}")
+        raise bad(f"use one of {', '.join(map(repr, choices))}")
     return value
 
 
@@ -104,7 +108,27 @@ def _enum_values(field: dataclasses.Field) -> list[str]:
     return []
 
 
-def prepare(spec: dict[str, Any], config_dir: str | Path | None = None):
+@dataclasses.dataclass(frozen=True)
+class PreparedJob:
+    """What :func:`prepare` checked and built from a job spec, before any model is loaded."""
+
+    job: dict[str, Any]
+    """The job's own keys (``model``, ``task``, ``eval``, ...; :data:`JOB_KEYS`)."""
+    config: Any
+    """The ``GRPOConfig``."""
+    task: Any
+    """The task (a built-in's, or one from the ``dataset`` file)."""
+    reward_funcs: list
+    """The reward functions (the job's ``reward_funcs``, else the task's)."""
+    lora: dict[str, Any] | None
+    """The job's ``lora`` section (None: full fine-tuning)."""
+    ev: dict[str, Any]
+    """The held-out evaluation's settings: the job's ``eval`` section over the defaults."""
+    multiturn: Any
+    """The tools and environment of a multi-turn job (a ``MultiTurn``), or None."""
+
+
+def prepare(spec: dict[str, Any], config_dir: str | Path | None = None) -> PreparedJob:
     """Everything that can fail on bad input, before a model is loaded: config, task, reward functions.
     Any such failure is a :class:`JobError`. ``config_dir``: the config file's folder, where user modules
     (rewards, tools, environments) are also looked up."""
@@ -119,7 +143,7 @@ def prepare(spec: dict[str, Any], config_dir: str | Path | None = None):
         raise JobError(str(e)) from None
 
 
-def _prepare(spec: dict[str, Any]):
+def _prepare(spec: dict[str, Any]) -> PreparedJob:
     job, raw = split_spec(spec)  # the spec's shape first: no heavy import before a typo is reported
 
     from ..config import GRPOConfig
@@ -129,7 +153,7 @@ def _prepare(spec: dict[str, Any]):
 
     fields = config_fields()
     if "output_dir" in raw and raw["output_dir"] is None:  # `output_dir:` with nothing after it (a template's hole)
-        raise JobError("output_dir=None is not allowed: expected a directory path")
+        raise refusal("output_dir", None, "expected a directory path", error=JobError)
     cfg_kwargs = {key: coerce_value(key, value, fields[key]) for key, value in raw.items()}
     cfg_kwargs.setdefault("output_dir", "runs/grpokit")
     config = GRPOConfig(**cfg_kwargs)
@@ -152,15 +176,16 @@ def _prepare(spec: dict[str, Any]):
                               config.chat_template_kwargs)
     check_reward_weights(config.reward_weights, [reward_func_name(f) for f in reward_funcs + (
         multiturn.reward_funcs() if multiturn is not None else [])])
-    if str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no":
-        raise JobError(f"eval_strategy={str(getattr(config.eval_strategy, 'value', config.eval_strategy))!r} is not "
-                       "allowed in a job: use 'no' (the job's 'eval' section evaluates before and after training)")
+    eval_strategy = str(getattr(config.eval_strategy, "value", config.eval_strategy))
+    if eval_strategy != "no":
+        raise refusal("eval_strategy", eval_strategy, "use 'no' (the job's 'eval' section evaluates before and after "
+                      "training)", when="in a job", error=JobError)
     lora = job.get("lora")
     ev = {"n": 128, "before": True, "after": True, "max_new_tokens": config.max_completion_length, "greedy": True,
           "batch_size": 32}
     ev.update(job.get("eval") or {})
     _check_before_loading(job, config, task)
-    return job, config, task, reward_funcs, lora, ev, multiturn
+    return PreparedJob(job, config, task, reward_funcs, lora, ev, multiturn)
 
 
 def _check_before_loading(job: dict[str, Any], config, task) -> None:
@@ -231,7 +256,7 @@ def chat_template_text(spec: str) -> str:
     if spec == "chatml-tools":
         return CHATML_TOOLS_TEMPLATE
     if not isinstance(spec, str) or not Path(spec).expanduser().is_file():
-        raise JobError(f"chat_template={short_repr(spec)} is not allowed: expected chatml-tools or a Jinja template file")
+        raise refusal("chat_template", spec, "expected chatml-tools or a Jinja template file", error=JobError)
     return Path(spec).expanduser().read_text()
 
 
@@ -279,8 +304,10 @@ class _JobRun:
         self.wall_start = time.perf_counter()
         self.wall_start_epoch = time.time()
         self.callbacks = list(callbacks or [])
-        (self.job, self.config, self.task, self.reward_funcs, self.lora, self.ev,
-         self.multiturn) = prepare(spec, config_dir)
+        prepared = prepare(spec, config_dir)
+        self.job, self.config, self.task = prepared.job, prepared.config, prepared.task
+        self.reward_funcs, self.lora, self.ev = prepared.reward_funcs, prepared.lora, prepared.ev
+        self.multiturn = prepared.multiturn
         self.freeze_vision_given = isinstance(spec, dict) and "freeze_vision" in spec
         self.quiet, self.resume = quiet, resume
         self.overwrite, self.force_resume = overwrite, force_resume

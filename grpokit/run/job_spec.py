@@ -8,7 +8,7 @@ import difflib
 import math
 from typing import Any
 
-from ..validation import short_repr
+from ..validation import Checker, refusal, short_repr
 
 JOB_KEYS = {
     "model": "model id, local directory, .gguf file, or smollm2-135m-instruct (the embedded model)",
@@ -79,12 +79,13 @@ def check_job_keys(job: dict[str, Any]) -> None:
         raise JobError("the config has no 'model' (e.g. model: smollm2-135m-instruct)")
     if ("task" in job) == ("dataset" in job):
         raise JobError("the config needs exactly one of 'task' (a built-in task) or 'dataset' (a local file)")
+    check = Checker(job, JobError, get=dict.get)
     for key in ("model", "task", "dataset"):
         if key in job and (not isinstance(job[key], str) or not job[key].strip()):
-            raise JobError(f"{key}={short_repr(job[key])} is not allowed: expected {JOB_KEYS[key]}, as a string")
+            raise check.bad(key, f"expected {JOB_KEYS[key]}, as a string")
     for key in ("task_args", "eval"):
         if job.get(key) is not None and not isinstance(job[key], dict):
-            raise JobError(f"{key}={short_repr(job[key])} is not allowed: expected a mapping ({JOB_KEYS[key]})")
+            raise check.bad(key, f"expected a mapping ({JOB_KEYS[key]})")
     if job.get("reward_funcs") is not None:  # names, module:function, {LLMJudge: {...}}: built and checked, no torch
         from ..rewards.registry import check_reward_specs
 
@@ -95,16 +96,14 @@ def check_job_keys(job: dict[str, Any]) -> None:
     tools = job.get("tools")
     if tools is not None and not (isinstance(tools, str) or (
             isinstance(tools, list) and all(isinstance(t, str) for t in tools))):
-        raise JobError(f"tools={short_repr(tools)} is not allowed: expected module:function or a list of them")
+        raise check.bad("tools", "expected module:function or a list of them")
     env = job.get("environment")
     if env is not None and not (isinstance(env, str) or (
             isinstance(env, dict) and env and all(isinstance(v, str) for v in env.values()))):
-        raise JobError(f"environment={short_repr(env)} is not allowed: expected module:Class or a mapping of names "
-                       "to them")
+        raise check.bad("environment", "expected module:Class or a mapping of names to them")
     template = job.get("chat_template")
     if template is not None and (not isinstance(template, str) or not template.strip()):
-        raise JobError(f"chat_template={short_repr(template)} is not allowed: expected chatml-tools or a Jinja "
-                       "template file")
+        raise check.bad("chat_template", "expected chatml-tools or a Jinja template file")
     if job.get("lora") is not None:
         check_lora(job["lora"])
     check_eval(job.get("eval") or {})
@@ -112,39 +111,40 @@ def check_job_keys(job: dict[str, Any]) -> None:
         value = job.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
-            raise JobError(f"{key}={short_repr(value)} is not allowed: expected a positive number of seconds")
+            raise check.bad(key, "expected a positive number of seconds")
 
 
 def check_eval(ev: dict[str, Any]) -> None:
     unknown = set(ev) - set(EVAL_KEYS)
     if unknown:
         raise JobError(f"unknown eval key(s) {sorted(map(str, unknown))}; allowed: {sorted(EVAL_KEYS)}")
+    check = Checker(ev, JobError, prefix="eval.", get=dict.get)
     for key, value in ev.items():
         if key == "every_steps" and value is None:
             continue
         if key in ("n", "max_new_tokens", "batch_size", "every_steps") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected a positive integer"
-                           + (" (or null: no evaluation during training)" if key == "every_steps" else ""))
-        if key in ("before", "after", "greedy") and not isinstance(value, bool):
-            raise JobError(f"eval.{key}={short_repr(value)} is not allowed: expected true or false")
+            raise check.bad(key, "expected a positive integer"
+                            + (" (or null: no evaluation during training)" if key == "every_steps" else ""))
+        if key in ("before", "after", "greedy"):
+            check.boolean(key)
 
 
 def check_lora(lora: Any) -> None:
     """The job's ``lora`` section: a mapping of known keys with values of the right type."""
     if not isinstance(lora, dict):
-        raise JobError(f"lora={short_repr(lora)} is not allowed: expected a mapping like {{r: 16, alpha: 32}}")
+        raise refusal("lora", lora, "expected a mapping like {r: 16, alpha: 32}", error=JobError)
     unknown = set(lora) - set(LORA_KEYS)
     if unknown:
         raise JobError(f"unknown lora key(s) {sorted(map(str, unknown))}; allowed: {list(LORA_KEYS)}")
+    check = Checker(lora, JobError, prefix="lora.", get=dict.get)
     for key in ("r", "alpha"):
         v = lora.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise JobError(f"lora.{key}={short_repr(v)} is not allowed: expected a positive integer")
+            raise check.bad(key, "expected a positive integer")
     d = lora.get("dropout")
     if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < 1):
-        raise JobError(f"lora.dropout={short_repr(d)} is not allowed: expected a number in [0, 1)")
+        raise check.bad("dropout", "expected a number in [0, 1)")
     t = lora.get("target_modules")
     if t is not None and not (isinstance(t, str) or (isinstance(t, list) and t and all(isinstance(m, str) for m in t))):
-        raise JobError(f"lora.target_modules={short_repr(t)} is not allowed: expected 'all-linear' or a list of "
-                       "module names")
+        raise check.bad("target_modules", "expected 'all-linear' or a list of module names")

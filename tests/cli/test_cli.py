@@ -126,10 +126,10 @@ def test_examples_parse_and_validate(monkeypatch):
     assert len(files) >= 9
     for f in files:
         spec = yaml.safe_load(f.read_text())
-        job, config, task, rewards, lora, ev, multiturn = prepare(spec)
-        assert job["model"] and rewards
+        prepared = prepare(spec)
+        assert prepared.job["model"] and prepared.reward_funcs
         if "tools" in f.name or f.stem in ("calculator", "guess"):
-            assert multiturn is not None and multiturn.has_tools
+            assert prepared.multiturn is not None and prepared.multiturn.has_tools
 
 
 def test_eval_command(tiny_dir, capsys):
@@ -193,7 +193,7 @@ def test_demo_trains_with_dapos_loss_unless_algo_says_otherwise(demo_specs):
 
     assert main(["demo", "--quiet"]) == 0
     assert main(["demo", "--quiet", "--algo", "grpo"]) == 0
-    (_, dapo, *_), (_, grpo, *_) = (prepare(dict(spec)) for spec in demo_specs)
+    dapo, grpo = (prepare(dict(spec)).config for spec in demo_specs)
     assert (dapo.loss_type, dapo.epsilon, dapo.epsilon_high) == ("dapo", 0.2, 0.28)
     assert (grpo.loss_type, grpo.epsilon_high) == ("grpo", None)  # the upper clip is epsilon
     assert dapo.learning_rate == grpo.learning_rate == 5e-4  # the rest of the recipe is the same
@@ -209,9 +209,11 @@ def test_demo_learning_rate_warms_up_holds_then_decays(demo_specs, tmp_path):
     from grpokit.trainer import GRPOTrainer
 
     assert main(["demo", "--quiet"]) == 0
-    _, config, task, rewards, *_ = prepare({**demo_specs[-1], "output_dir": str(tmp_path / "run")})
+    prepared = prepare({**demo_specs[-1], "output_dir": str(tmp_path / "run")})
+    config = prepared.config
     tok = tiny_tokenizer()
-    trainer = GRPOTrainer(tiny_model(tok), rewards, args=config, train_dataset=task.train_dataset, processing_class=tok)
+    trainer = GRPOTrainer(tiny_model(tok), prepared.reward_funcs, args=config,
+                          train_dataset=prepared.task.train_dataset, processing_class=tok)
     trainer.create_optimizer_and_scheduler(num_training_steps=config.max_steps)
     optimizer, schedule = trainer.optimizer, trainer.lr_scheduler
     lrs = []

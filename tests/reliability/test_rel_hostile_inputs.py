@@ -182,10 +182,9 @@ def test_a_reward_module_beside_the_config_is_found_from_anywhere(monkeypatch, t
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     spec = build_spec({"reward_funcs": "beside_rewards:score"}, data_dir, tmp_path / "out")
-    job, config, task, rewards, *_ = prepare(spec, config_dir=configs)
-    assert rewards[0](["a", "b"]) == [1.0, 1.0]
+    assert prepare(spec, config_dir=configs).reward_funcs[0](["a", "b"]) == [1.0, 1.0]
     spec = build_spec({"reward_funcs": "beside_rewards.py:score"}, data_dir, tmp_path / "out")
-    assert prepare(spec, config_dir=configs)[3][0](["a"]) == [1.0]
+    assert prepare(spec, config_dir=configs).reward_funcs[0](["a"]) == [1.0]
     with pytest.raises(JobError, match="cannot import module 'beside_rewards_gone'"):
         prepare(build_spec({"reward_funcs": "beside_rewards_gone:score"}, data_dir, tmp_path / "out"),
                 config_dir=configs)
