@@ -34,6 +34,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..validation import Checker
 from .builtin import completion_text
 from .classes import reward_class
 from .sandbox import STATUSES, Isolation, Limits, RunResult, detect_isolation, run_sandboxed
@@ -74,13 +75,36 @@ def split_tests(value: Any) -> list[str] | None:
     return value or None
 
 
-def _positive(owner: str, name: str, value: Any, integer: bool = True, optional: bool = False) -> None:
+def _positive(check: Checker, name: str, integer: bool = True, optional: bool = False) -> None:
+    value = check.value(name)
     if optional and value is None:
         return
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
-        raise ValueError(f"{owner}.{name}={value!r} is not allowed: expected a positive "
-                         f"{'integer' if integer else 'number'}" + (" or None" if optional else ""))
+        raise check.bad(name, f"expected a positive {'integer' if integer else 'number'}"
+                        + (" or None" if optional else ""))
+
+
+def _check_options(owner: str, options: dict[str, Any]) -> None:
+    """:class:`CodeExecution`'s keyword arguments but ``name``, one error line for the first wrong one."""
+    check = Checker(options, prefix=f"{owner}.", get=dict.get)
+    check.choice("score", SCORES)
+    tests_column = options["tests_column"]
+    if not isinstance(tests_column, str) or not tests_column:
+        raise check.bad("tests_column", "expected a column name")
+    _positive(check, "timeout_s", integer=False)
+    _positive(check, "cpu_s", integer=False, optional=True)
+    for key in ("memory_mb", "file_mb", "max_processes", "max_open_files", "max_output_bytes"):
+        _positive(check, key)
+    _positive(check, "workers", optional=True)
+    workers, python, workdir_root = options["workers"], options["python"], options["workdir_root"]
+    if workers is not None and workers > MAX_WORKERS:
+        raise check.bad("workers", f"at most {MAX_WORKERS}")
+    if python is not None and (not isinstance(python, str) or not os.path.isfile(python)):
+        raise check.bad("python", "expected the path of a Python interpreter")
+    if workdir_root is not None and (not isinstance(workdir_root, str) or not os.path.isdir(workdir_root)):
+        raise check.bad("workdir_root", "expected an existing directory")
+    check.boolean("require_isolation")
 
 
 @reward_class
@@ -115,24 +139,11 @@ class CodeExecution:
         if os.name != "posix":
             raise ValueError(f"{owner} needs a POSIX system (Linux for its namespaces); this is {sys.platform}")
         self.__name__ = check_name(owner, name)
-        if score not in SCORES:
-            raise ValueError(f"{owner}.score={score!r} is not allowed: use one of {', '.join(map(repr, SCORES))}")
-        if not isinstance(tests_column, str) or not tests_column:
-            raise ValueError(f"{owner}.tests_column={tests_column!r} is not allowed: expected a column name")
-        _positive(owner, "timeout_s", timeout_s, integer=False)
-        _positive(owner, "cpu_s", cpu_s, integer=False, optional=True)
-        for key, value in (("memory_mb", memory_mb), ("file_mb", file_mb), ("max_processes", max_processes),
-                           ("max_open_files", max_open_files), ("max_output_bytes", max_output_bytes)):
-            _positive(owner, key, value)
-        _positive(owner, "workers", workers, optional=True)
-        if workers is not None and workers > MAX_WORKERS:
-            raise ValueError(f"{owner}.workers={workers!r} is not allowed: at most {MAX_WORKERS}")
-        if python is not None and (not isinstance(python, str) or not os.path.isfile(python)):
-            raise ValueError(f"{owner}.python={python!r} is not allowed: expected the path of a Python interpreter")
-        if workdir_root is not None and (not isinstance(workdir_root, str) or not os.path.isdir(workdir_root)):
-            raise ValueError(f"{owner}.workdir_root={workdir_root!r} is not allowed: expected an existing directory")
-        if not isinstance(require_isolation, bool):
-            raise ValueError(f"{owner}.require_isolation={require_isolation!r} is not allowed: expected true or false")
+        _check_options(owner, dict(
+            score=score, tests_column=tests_column, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
+            file_mb=file_mb, max_processes=max_processes, max_open_files=max_open_files,
+            max_output_bytes=max_output_bytes, workers=workers, python=python, workdir_root=workdir_root,
+            require_isolation=require_isolation))
         self.score, self.tests_column = score, tests_column
         self.limits = Limits(timeout_s=float(timeout_s), cpu_s=cpu_s, memory_mb=memory_mb, file_mb=file_mb,
                              processes=max_processes, open_files=max_open_files, output_bytes=max_output_bytes)

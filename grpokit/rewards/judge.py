@@ -21,6 +21,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..validation import refusal
 from .builtin import completion_text
 from .classes import reward_class
 from .judge_parsing import ScoreRule, parse_score
@@ -55,7 +56,7 @@ def prompt_text(prompt: Any) -> str:
 def template_fields(owner: str, what: str, template: Any) -> list[str]:
     """The ``{name}`` fields of a prompt template; anything but plain names is one error line."""
     if not isinstance(template, str) or not template.strip():
-        raise ValueError(f"{owner}.{what}={template!r} is not allowed: expected a non-empty template string")
+        raise refusal(what, template, "expected a non-empty template string", prefix=f"{owner}.")
     fields = []
     try:
         parsed = list(string.Formatter().parse(template))
@@ -105,7 +106,7 @@ class LLMJudge(HttpRewardService):
                  max_backoff_s: float = 30.0, on_failure: str = "none", cache_size: int = 10_000):
         owner = "LLMJudge"
         if not isinstance(model, str) or not model.strip():
-            raise ValueError(f"{owner}.model={model!r} is not allowed: expected the model name the endpoint serves")
+            raise refusal("model", model, "expected the model name the endpoint serves", prefix=f"{owner}.")
         self.model = model
         self.prompt, self.system = prompt, system
         self.fields = template_fields(owner, "prompt", prompt)
@@ -113,11 +114,11 @@ class LLMJudge(HttpRewardService):
             self.fields += template_fields(owner, "system", system)
         self.rule = ScoreRule(score_range, normalize, labels, json_field, pattern).check(owner)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
-            raise ValueError(f"{owner}.temperature={temperature!r} is not allowed: expected a number in [0, 2]")
+            raise refusal("temperature", temperature, "expected a number in [0, 2]", prefix=f"{owner}.")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"{owner}.max_tokens={max_tokens!r} is not allowed: expected a positive integer")
+            raise refusal("max_tokens", max_tokens, "expected a positive integer", prefix=f"{owner}.")
         if extra_body is not None and not isinstance(extra_body, dict):
-            raise ValueError(f"{owner}.extra_body={extra_body!r} is not allowed: expected a mapping")
+            raise refusal("extra_body", extra_body, "expected a mapping", prefix=f"{owner}.")
         self.temperature, self.max_tokens, self.extra_body = float(temperature), max_tokens, dict(extra_body or {})
         self._init_service(base_url, name, api_key_env, max_concurrency=max_concurrency, timeout_s=timeout_s,
                            max_retries=max_retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,

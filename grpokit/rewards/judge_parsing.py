@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..validation import Checker
+
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _FENCED_JSON = re.compile(r"```(?:json)?\s*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 MAX_REPLY_CHARS = 100_000
@@ -41,31 +43,29 @@ class ScoreRule:
 
     def check(self, owner: str) -> ScoreRule:
         """Itself, checked; one error line per wrong value."""
+        check = Checker(self, prefix=f"{owner}.")
         r = self.score_range
         if (not isinstance(r, (list, tuple)) or len(r) != 2
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in r)
                 or not r[0] < r[1]):
-            raise ValueError(f"{owner}.score_range={r!r} is not allowed: expected [low, high] with low < high")
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"{owner}.normalize={self.normalize!r} is not allowed: expected true or false")
+            raise check.bad("score_range", "expected [low, high] with low < high")
+        check.boolean("normalize")
         if self.labels is not None:
             ok = isinstance(self.labels, dict) and self.labels and all(
                 isinstance(k, str) and k.strip() and isinstance(v, (int, float)) and not isinstance(v, bool)
                 and math.isfinite(v) for k, v in self.labels.items())
             if not ok:
-                raise ValueError(f"{owner}.labels={self.labels!r} is not allowed: expected a mapping of label text "
-                                 "to a finite number, e.g. {yes: 1.0, no: 0.0}")
+                raise check.bad("labels", "expected a mapping of label text to a finite number, e.g. "
+                                "{yes: 1.0, no: 0.0}")
         if self.json_field is not None and (not isinstance(self.json_field, str) or not self.json_field):
-            raise ValueError(f"{owner}.json_field={self.json_field!r} is not allowed: expected a field name")
+            raise check.bad("json_field", "expected a field name")
         if self.pattern is not None:
             try:
                 groups = re.compile(self.pattern).groups
             except (re.error, TypeError) as e:
-                raise ValueError(f"{owner}.pattern={self.pattern!r} is not allowed: not a regular expression "
-                                 f"({e})") from None
+                raise check.bad("pattern", f"not a regular expression ({e})") from None
             if groups < 1:
-                raise ValueError(f"{owner}.pattern={self.pattern!r} is not allowed: it needs a group around the "
-                                 "number, e.g. 'Score: (\\d+)'")
+                raise check.bad("pattern", "it needs a group around the number, e.g. 'Score: (\\d+)'")
         return ScoreRule(tuple(float(x) for x in r), self.normalize, self.labels, self.json_field, self.pattern)
 
 

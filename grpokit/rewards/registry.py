@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..validation import refusal, short_repr
 from .builtin import correctness, format_reward, length, word_count
 from .classes import REWARD_CLASSES
 
@@ -58,7 +59,7 @@ def reward_from_mapping(spec: Any) -> RewardFunc:
 
     if not isinstance(spec, dict) or len(spec) != 1:
         raise ValueError(f"a reward_funcs entry that is a mapping names one class with its arguments, e.g. "
-                         f"{{CodeExecution: {{timeout_s: 5}}}}; got {_short(spec)}")
+                         f"{{CodeExecution: {{timeout_s: 5}}}}; got {short_repr(spec)}")
     (name, args), = spec.items()
     classes = _reward_classes()
     if name not in classes:
@@ -69,7 +70,7 @@ def reward_from_mapping(spec: Any) -> RewardFunc:
     args = {} if args is None else args
     if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
         raise ValueError(f"reward_funcs entry {{{name}: ...}}: its arguments must be a mapping of option: value, got "
-                         f"{_short(args)}")
+                         f"{short_repr(args)}")
     cls = classes[name]
     options = [p for p in inspect.signature(cls).parameters if p != "self"]
     unknown = [k for k in args if k not in options]
@@ -84,19 +85,13 @@ def reward_from_mapping(spec: Any) -> RewardFunc:
     return cls(**args)
 
 
-def _short(value: Any) -> str:
-    from ..validation import short_repr
-
-    return short_repr(value)
-
-
 def check_reward_specs(specs: Any) -> None:
     """A config's ``reward_funcs``: a name, ``module:function``, a reward class mapping, or a list of them; the class
     mappings are built (which checks every argument) without importing torch."""
     items = specs if isinstance(specs, list) else [specs]
     if not items or not all(isinstance(s, (str, dict)) for s in items):
-        raise ValueError(f"reward_funcs={_short(specs)} is not allowed: expected a reward name, module:function or "
-                         f"a mapping {{Class: {{option: value}}}} ({', '.join(sorted(_reward_classes()))}), or a list of them")
+        raise refusal("reward_funcs", specs, "expected a reward name, module:function or a mapping "
+                      f"{{Class: {{option: value}}}} ({', '.join(sorted(_reward_classes()))}), or a list of them")
     for i, item in enumerate(items):
         if isinstance(item, dict):
             try:
@@ -184,7 +179,5 @@ def resolve_reward_funcs(reward_funcs: Any) -> list[Any]:
 def check_reward_weights(reward_weights: list[float] | None, names: list[str]) -> None:
     """One weight per reward function, or none at all."""
     if reward_weights is not None and len(reward_weights) != len(names):
-        raise ValueError(
-            f"reward_weights={reward_weights!r} is not allowed: {len(reward_weights)} weights for {len(names)} "
-            f"reward functions ({', '.join(names)}); give one per function"
-        )
+        raise refusal("reward_weights", reward_weights, f"{len(reward_weights)} weights for {len(names)} reward "
+                      f"functions ({', '.join(names)}); give one per function")

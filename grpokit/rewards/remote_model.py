@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..validation import Checker
 from .builtin import completion_text
 from .classes import reward_class
 from .service import (
@@ -36,6 +37,28 @@ from .service import (
 __all__ = ["RemoteRewardModel"]
 
 APIS = ("tei", "vllm")
+
+
+def _check_options(owner: str, options: dict[str, Any]) -> None:
+    """:class:`RemoteRewardModel`'s own keyword arguments, one error line for the first wrong one."""
+    check = Checker(options, prefix=f"{owner}.", get=dict.get)
+    check.choice("api", APIS)
+    api, model, label = options["api"], options["model"], options["label"]
+    if api == "vllm" and (not isinstance(model, str) or not model.strip()):
+        raise check.bad("model", "api 'vllm' needs the served model's name")
+    if model is not None and not isinstance(model, str):
+        raise check.bad("model", "expected the served model's name")
+    label_ok = (isinstance(label, int) and not isinstance(label, bool) and label >= 0) or (
+        api == "tei" and isinstance(label, str) and label.strip())
+    if not label_ok:
+        raise check.bad("label", "expected an output index >= 0"
+                        + (" or a label name" if api == "tei" else " (api 'vllm' returns probabilities by index)"))
+    check.boolean("raw_scores")
+    batch_size, tokenizer = options["batch_size"], options["tokenizer"]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 4096:
+        raise check.bad("batch_size", "expected an integer in [1, 4096]")
+    if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer.strip()):
+        raise check.bad("tokenizer", "expected a tokenizer directory or id")
 
 
 @reward_class
@@ -66,24 +89,8 @@ class RemoteRewardModel(HttpRewardService):
                  api_key_env: str | None = None, name: str = "remote_reward_model", max_concurrency: int = 4,
                  timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  on_failure: str = "none", cache_size: int = 10_000):
-        owner = "RemoteRewardModel"
-        if api not in APIS:
-            raise ValueError(f"{owner}.api={api!r} is not allowed: use one of {', '.join(map(repr, APIS))}")
-        if api == "vllm" and (not isinstance(model, str) or not model.strip()):
-            raise ValueError(f"{owner}.model={model!r} is not allowed: api 'vllm' needs the served model's name")
-        if model is not None and not isinstance(model, str):
-            raise ValueError(f"{owner}.model={model!r} is not allowed: expected the served model's name")
-        label_ok = (isinstance(label, int) and not isinstance(label, bool) and label >= 0) or (
-            api == "tei" and isinstance(label, str) and label.strip())
-        if not label_ok:
-            raise ValueError(f"{owner}.label={label!r} is not allowed: expected an output index >= 0"
-                             + (" or a label name" if api == "tei" else " (api 'vllm' returns probabilities by index)"))
-        if not isinstance(raw_scores, bool):
-            raise ValueError(f"{owner}.raw_scores={raw_scores!r} is not allowed: expected true or false")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 4096:
-            raise ValueError(f"{owner}.batch_size={batch_size!r} is not allowed: expected an integer in [1, 4096]")
-        if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer.strip()):
-            raise ValueError(f"{owner}.tokenizer={tokenizer!r} is not allowed: expected a tokenizer directory or id")
+        _check_options("RemoteRewardModel", dict(api=api, model=model, label=label, raw_scores=raw_scores,
+                                                 batch_size=batch_size, tokenizer=tokenizer))
         self.api, self.model, self.label, self.raw_scores = api, model, label, raw_scores
         self.batch_size, self.tokenizer_name = batch_size, tokenizer
         self._init_service(base_url, name, api_key_env, max_concurrency=max_concurrency, timeout_s=timeout_s,

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..validation import Checker
+from ..validation import Checker, refusal
 
 logger = logging.getLogger("grpokit")
 
@@ -319,8 +319,8 @@ def api_key_from_env(owner: str, api_key_env: str | None) -> str | None:
     if api_key_env is None:
         return None
     if not isinstance(api_key_env, str) or not api_key_env.strip() or "=" in api_key_env:
-        raise ValueError(f"{owner}.api_key_env={api_key_env!r} is not allowed: expected the name of an environment "
-                         "variable that holds the key (never the key itself)")
+        raise refusal("api_key_env", api_key_env, "expected the name of an environment variable that holds the key "
+                      "(never the key itself)", prefix=f"{owner}.")
     value = os.environ.get(api_key_env)
     if not value:
         raise ValueError(f"{owner}.api_key_env={api_key_env!r}: that environment variable is not set (export it "
@@ -337,14 +337,14 @@ def make_redactor(secret: str | None) -> Callable[[str], str]:
 
 def check_name(owner: str, name: Any) -> str:
     if not isinstance(name, str) or not name.strip() or "/" in name or any(ch.isspace() for ch in name):
-        raise ValueError(f"{owner}.name={name!r} is not allowed: expected a short name without spaces or '/' (it "
-                         "names the metrics rewards/<name>/...)")
+        raise refusal("name", name, "expected a short name without spaces or '/' (it names the metrics "
+                      "rewards/<name>/...)", prefix=f"{owner}.")
     return name
 
 
 def check_base_url(owner: str, base_url: Any) -> str:
     if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-        raise ValueError(f"{owner}.base_url={base_url!r} is not allowed: expected an http:// or https:// URL")
+        raise refusal("base_url", base_url, "expected an http:// or https:// URL", prefix=f"{owner}.")
     return base_url.rstrip("/")
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import transformers
 
+from ..validation import refusal
 from .registry import check_reward_weights, resolve_reward_funcs, reward_func_name
 
 
@@ -66,9 +67,8 @@ def _in_reward_process(funcs: list, n_user: int, args, multiturn) -> tuple[list,
     if not args.reward_process or not moved:
         return funcs, None
     if multiturn is not None and multiturn.environments is not None:
-        raise ValueError("reward_process=True is not allowed with environment_factory: reward functions receive the "
-                         "environment instances (environments=), which live in the trainer's process; use "
-                         "reward_process=False")
+        raise refusal("reward_process", True, "reward functions receive the environment instances (environments=), "
+                      "which live in the trainer's process; use reward_process=False", when="with environment_factory")
     check_picklable([funcs[i] for i in moved])
     memory = args.worker_memory_mb if args.worker_memory_mb is not None else default_memory_mb()
     process = RewardProcess([funcs[i] for i in moved], memory)
