@@ -24,7 +24,7 @@ from .algorithms.losses import LOSS_TYPES, config_params, loss_spec
 from .algorithms.losses._registry import check_bounds, param_type
 from .algorithms.settings import LossSettings
 from .bounds.user_calls import REWARD_TIMEOUT_ACTIONS
-from .validation import Checker, short_repr
+from .validation import Checker, refusal, short_repr
 
 logger = logging.getLogger("grpokit")
 
@@ -412,8 +412,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{name}={short_repr(value)} is not valid JSON: {e}") from None
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
-                raise ValueError(f"{name}={short_repr(value)} is not allowed: expected a mapping of keyword: value "
-                                 "(or its JSON text)")
+                raise refusal(name, value, "expected a mapping of keyword: value (or its JSON text)")
 
     # -- validation -------------------------------------------------------------------------------------------
     def _validate_own_fields(self) -> None:
@@ -470,11 +469,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         check.boolean("reward_process")
         check.number("worker_memory_mb", 64, integer=True, optional=True)
         if self.max_staleness > 0 and self.staleness_mode == "exact" and self.weight_sync_steps != 1:
-            raise ValueError(f"weight_sync_steps={self.weight_sync_steps!r} is not allowed with staleness_mode='exact': "
-                             "every version's weights must be published; use 1")
+            raise check.bad("weight_sync_steps", "every version's weights must be published; use 1",
+                            when="with staleness_mode='exact'")
         if self.max_staleness > 0 and self.use_vllm and self.staleness_mode == "exact":
-            raise ValueError("staleness_mode='exact' is not allowed with use_vllm=True: the engine holds only its "
-                             "latest weights; use 'bounded'")
+            raise check.bad("staleness_mode", "the engine holds only its latest weights; use 'bounded'",
+                            when="with use_vllm=True")
         if self.overlong_buffer_length is not None:
             check.number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
         check.boolean("partial_rollouts")
@@ -492,8 +491,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                     "workers yet)")]
         for name, bad, allowed in refused:
             if bad:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed with rollout_workers="
-                                 f"{self.rollout_workers}; use {allowed}, or rollout_workers=0")
+                raise refusal(name, getattr(self, name), f"use {allowed}, or rollout_workers=0",
+                              when=f"with rollout_workers={self.rollout_workers}")
 
     def _validate_partial(self) -> None:
         """What partial rollouts need, refused in one line each: continuing a completion under new weights is
@@ -512,8 +511,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                     "sampling settings only)")]
         for name, bad, allowed in refused:
             if bad:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed with partial_rollouts=True; use "
-                                 f"{allowed}, or partial_rollouts=False")
+                raise refusal(name, getattr(self, name), f"use {allowed}, or partial_rollouts=False",
+                              when="with partial_rollouts=True")
 
     def _validate_loss(self, check: Checker) -> None:
         """The objective's fields, read through the loss's description (what epsilon means for it, its own
@@ -528,8 +527,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                 "inverted; use epsilon_high >= epsilon (DAPO's clip-higher) or leave it None"
             )
         if spec.epsilon == "ratio" and self.epsilon >= 1:
-            raise ValueError(f"epsilon={self.epsilon!r} is not allowed: the lower clip 1-epsilon must stay positive; "
-                             "use a value in (0, 1)")
+            raise check.bad("epsilon", "the lower clip 1-epsilon must stay positive; use a value in (0, 1)")
         if self.delta is not None:
             check.number("delta", 1 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon),
                          lo_open=True)
@@ -575,30 +573,26 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
             check.number("logging_steps", 0, lo_open=True)
         self._validate_report_to()
         if self.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
-            raise ValueError(
-                "use_liger_kernel=True is not allowed here: liger-kernel is not installed (pip install liger-kernel, "
-                "CUDA only); grpokit does not need it to save memory: its log-prob head never builds the (B, T, V) logits"
-            )
+            raise check.bad("use_liger_kernel", "liger-kernel is not installed (pip install liger-kernel, CUDA only); "
+                            "grpokit does not need it to save memory: its log-prob head never builds the (B, T, V) "
+                            "logits", when="here")
         if not (self.pad_to_multiple_of is None or str(self.pad_to_multiple_of).lower() in ("auto", "none", "null")):
             raise check.bad("pad_to_multiple_of", "grpokit never pads a batch to a multiple of a length (TRL does so only "
                                                   "on AWS Neuron, which compiles once per shape); use 'auto' or None")
         self._validate_parallelism()
         if getattr(self, "auto_find_batch_size", False):
-            raise ValueError(
-                "auto_find_batch_size=True is not allowed: shrinking the batch breaks the groups of num_generations "
-                "completions; lower per_device_train_batch_size instead"
-            )
+            raise refusal("auto_find_batch_size", True, "shrinking the batch breaks the groups of num_generations "
+                          "completions; lower per_device_train_batch_size instead")
 
     def _validate_parallelism(self) -> None:
         """TRL 1.16's refusal: context and sequence parallelism shard the model's inputs, which GRPO builds after
         generation, inside the trainer (accelerate would otherwise take them and the run would ignore them)."""
         pc = self.parallelism_config
         if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
-            raise ValueError(
-                f"parallelism_config with cp_size={getattr(pc, 'cp_size', None)!r} and sp_size="
-                f"{getattr(pc, 'sp_size', None)!r} is not allowed: GRPO builds the model's inputs after generation, "
-                "so context or sequence parallelism cannot shard them (as in TRL 1.16); use cp_size=1 and sp_size=1"
-            )
+            name = "cp_size" if getattr(pc, "cp_enabled", False) else "sp_size"
+            raise refusal(f"parallelism_config.{name}", getattr(pc, name, None),
+                          "GRPO builds the model's inputs after generation, so context or sequence parallelism "
+                          "cannot shard them (as in TRL 1.16); use cp_size=1 and sp_size=1")
 
     def _validate_vllm(self, check: Checker) -> None:
         check.number("vllm_importance_sampling_clip_max", 0, lo_open=True, optional=True)
@@ -621,11 +615,9 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
             )
         if (loss_spec(self.loss_type).sampler_ratio == "fold" and self.use_vllm
                 and self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.startswith("sequence")):
-            raise ValueError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not allowed with "
-                f"loss_type={self.loss_type!r}: a sequence-level ratio would be raised to the power of the length "
-                "inside its sequence weight; use 'token_truncate' or 'token_mask'"
-            )
+            raise check.bad("vllm_importance_sampling_mode", "a sequence-level ratio would be raised to the power of "
+                            "the length inside its sequence weight; use 'token_truncate' or 'token_mask'",
+                            when=f"with loss_type={self.loss_type!r}")
         if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size != 1:
             raise ValueError(
                 f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size!r} with vllm_mode='colocate' is not "
@@ -644,8 +636,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
             return
         allowed = ("all", "none", *INTEGRATION_TO_CALLBACK)
         if not isinstance(names, (list, tuple)) or any(not isinstance(n, str) or n not in allowed for n in names):
-            raise ValueError(f"report_to={value!r} is not allowed: use one of {', '.join(map(repr, allowed))} "
-                             "(or a list of them)")
+            raise refusal("report_to", value, f"use one of {', '.join(map(repr, allowed))} (or a list of them)")
 
     def _derive_batches(self) -> None:
         procs = self.world_size
