@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .validation import refusal
+
 logger = logging.getLogger("grpokit")
 
 CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
@@ -125,8 +127,8 @@ def check_datasets(args, train_dataset, eval_dataset) -> None:
             raise ValueError("dynamic_sampling=True is not supported with an IterableDataset train_dataset yet: it draws "
                              "replacement prompts from the training set by index; use a map-style Dataset")
         if args.max_steps <= 0:
-            raise ValueError(f"max_steps={args.max_steps!r} is not allowed with an IterableDataset train_dataset: its "
-                             "length is unknown, so set max_steps to a positive number of optimizer steps")
+            raise refusal("max_steps", args.max_steps, "its length is unknown, so set max_steps to a positive number of "
+                          "optimizer steps", when="with an IterableDataset train_dataset")
         if args.dataloader_num_workers:
             logger.warning("dataloader_num_workers=%d set to 0: workers would interleave the stream and split the "
                            "groups of num_generations completions", args.dataloader_num_workers)
@@ -146,8 +148,8 @@ def check_datasets(args, train_dataset, eval_dataset) -> None:
 def no_dispatch(args) -> bool:
     """``dispatch_batches`` for a stream (``IterableDataset``): False, every process reads it; True is refused."""
     if args.accelerator_config.dispatch_batches is True:
-        raise ValueError("accelerator_config.dispatch_batches=True is not allowed: Iterable datasets require "
-                         "`dispatch_batches=False` (every process reads the stream); use False or leave it unset")
+        raise refusal("accelerator_config.dispatch_batches", True, "Iterable datasets require `dispatch_batches=False` "
+                      "(every process reads the stream); use False or leave it unset")
     return False
 
 
@@ -163,8 +165,8 @@ def default_dataset(train_dataset, environment_factory, args):
         raise ValueError("a dict environment_factory (several environments) needs a train_dataset with an "
                          "'environment' column saying which one each prompt uses")
     if args.max_steps <= 0:
-        raise ValueError(f"max_steps={args.max_steps!r} is not allowed without a train_dataset: set max_steps to a "
-                         "positive number of optimizer steps (the environment makes the prompts)")
+        raise refusal("max_steps", args.max_steps, "set max_steps to a positive number of optimizer steps (the "
+                      "environment makes the prompts)", when="without a train_dataset")
     from datasets import Dataset
 
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] *

@@ -24,6 +24,7 @@ import torch
 from ..algorithms.routing import load_imbalance, ratio_std
 from ..config import ROUTING_REPLAY_MODES
 from ..forward.sharding import sharding_kind
+from ..validation import refusal
 from .recording import RouteTap
 from .routers import RouterSet, find_routers, has_routers
 
@@ -45,8 +46,8 @@ def router_aux_loss_coef(model, args) -> float:
     if coef is None:
         coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
     elif coef != 0.0 and not is_moe:
-        raise ValueError(f"router_aux_loss_coef={coef!r} is not allowed: {type(base).__name__} is not a "
-                         "Mixture-of-Experts model that returns router logits; leave it None")
+        raise refusal("router_aux_loss_coef", coef, f"{type(base).__name__} is not a Mixture-of-Experts model that "
+                      "returns router logits; leave it None")
     return float(coef) if is_moe else 0.0
 
 
@@ -68,11 +69,11 @@ class MoeRouting:
                 if self.mode != "none":
                     raise
         if self.mode != "none" and self.routers is None:
-            raise ValueError(f"routing_replay={self.mode!r} is not allowed: {type(base).__name__} is not a "
-                             "Mixture-of-Experts model with routers grpokit recognises; leave it 'none'")
+            raise refusal("routing_replay", self.mode, f"{type(base).__name__} is not a Mixture-of-Experts model with "
+                          "routers grpokit recognises; leave it 'none'")
         if self.mode == "rollout" and no_recording:
-            raise ValueError(f"routing_replay='rollout' is not allowed with {no_recording}: it does not record the "
-                             "experts it routes to; use routing_replay='old'")
+            raise refusal("routing_replay", "rollout", "it does not record the experts it routes to; use "
+                          "routing_replay='old'", when=f"with {no_recording}")
         self.records_generation = self.routers is not None and not no_recording
         self._tap: RouteTap | None = None
 
@@ -84,8 +85,8 @@ class MoeRouting:
             yield
             return
         if self.mode != "none" and sharding_kind(model) is not None:
-            raise ValueError(f"routing_replay={self.mode!r} is not allowed with {sharding_kind(model)} sharded weights "
-                             "yet: train with DDP or on one process, or leave it 'none'")
+            raise refusal("routing_replay", self.mode, "train with DDP or on one process, or leave it 'none'",
+                          when=f"with {sharding_kind(model)} sharded weights yet")
         if self.mode == "rollout" and batch.sampler_routes is None:
             raise RuntimeError("routing_replay='rollout': this batch holds no recording of the sampler's experts (its "
                                "generation did not record them); nothing would be replayed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from ..rewards import correctness, format_reward
+from ..validation import refusal
 from .base import ANSWER_INSTRUCTION, Task, split_holdout, user_turn
 
 __all__ = ["arithmetic_questions", "make_arithmetic_task"]
@@ -53,10 +54,9 @@ def make_arithmetic_task(*, seed: int = 0, n_eval: int = 128, order: str = "shuf
     tokens, which generation and the training forward encode once for all prompts (grpokit.forward.prefix): on SmolLM2's
     chat template 40 of its 51-53 tokens instead of 27."""
     if order not in ORDERS:
-        raise ValueError(f"Task 'arithmetic': order={order!r} is not allowed; expected one of {', '.join(ORDERS)}.")
+        raise refusal("order", order, f"expected one of {', '.join(ORDERS)}", prefix="Task 'arithmetic': ")
     if not isinstance(instruction_first, bool):
-        raise ValueError(f"Task 'arithmetic': instruction_first={instruction_first!r} is not allowed; expected true or "
-                         "false.")
+        raise refusal("instruction_first", instruction_first, "expected true or false", prefix="Task 'arithmetic': ")
     questions = arithmetic_questions()
     random.Random(seed).shuffle(questions)
     def ask(a: int, op: str, b: int) -> str:

@@ -7,6 +7,7 @@ import random
 
 from ..rewards import correctness
 from ..tools.templates import CHATML_TOOLS_TEMPLATE
+from ..validation import refusal
 from .base import Task, split_holdout
 
 __all__ = ["add", "make_calculator_task", "multiply", "subtract"]
@@ -73,14 +74,14 @@ def make_calculator_task(*, seed: int = 0, n_eval: int = 128, n_train: int = 102
     """``n_train + n_eval`` distinct questions with operators from ``ops``; every prompt has ``n_demos`` worked
     exchanges first (their operators cycling through ``demo_ops``, default ``ops``), then the question."""
     demo_ops = ops if demo_ops is None else demo_ops
+    owner = "Task 'calculator': "
     for name, value in (("ops", ops), ("demo_ops", demo_ops)):
         if not isinstance(value, str) or not value or any(op not in TOOLS for op in value) or len(set(value)) != len(value):
-            raise ValueError(f"Task 'calculator': {name}={value!r} is not allowed: expected operators among "
-                             f"{''.join(TOOLS)}, each once")
+            raise refusal(name, value, f"expected operators among {''.join(TOOLS)}, each once", prefix=owner)
     if isinstance(n_demos, bool) or not isinstance(n_demos, int) or n_demos < 0:
-        raise ValueError(f"Task 'calculator': n_demos={n_demos!r} is not allowed: expected an integer ≥ 0")
+        raise refusal("n_demos", n_demos, "expected an integer ≥ 0", prefix=owner)
     if isinstance(n_train, bool) or not isinstance(n_train, int) or n_train < 1:
-        raise ValueError(f"Task 'calculator': n_train={n_train!r} is not allowed: expected a positive integer")
+        raise refusal("n_train", n_train, "expected a positive integer", prefix=owner)
     rng = random.Random(seed)
     seen, rows = set(), []
     while len(rows) < n_train + n_eval:

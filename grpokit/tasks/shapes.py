@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 from ..rewards import correctness, format_reward
+from ..validation import refusal
 from .base import ANSWER_INSTRUCTION, Task, split_holdout
 
 __all__ = ["COLOURS", "KINDS", "Scene", "draw_scene", "make_shapes_task", "random_scene"]
@@ -86,9 +87,9 @@ def make_shapes_task(*, seed: int = 0, n_eval: int = 128, n_train: int = 512, im
     """The task: ``n_train + n_eval`` distinct scenes drawn from ``seed``, the first ``n_eval`` held out."""
     for name, value, lo in (("n_train", n_train, 1), ("image_size", image_size, 16), ("max_count", max_count, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-            raise ValueError(f"Task 'shapes': {name}={value!r} is not allowed; expected an integer >= {lo}.")
+            raise refusal(name, value, f"expected an integer >= {lo}", prefix="Task 'shapes': ")
     if max_count > GRID * GRID:
-        raise ValueError(f"Task 'shapes': max_count={max_count} is not allowed; at most {GRID * GRID} shapes fit.")
+        raise refusal("max_count", max_count, f"at most {GRID * GRID} shapes fit", prefix="Task 'shapes': ")
     rng = random.Random(seed)
     scenes: dict[Scene, None] = {}
     for _ in range(100 * (n_train + n_eval)):

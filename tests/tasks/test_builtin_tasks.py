@@ -168,7 +168,7 @@ def test_arithmetic_easy_first_orders_only_the_training_questions():
     first_level = [text for text in contents(shuffled.train_dataset)
                    if max(int(x) for x in re.findall(r"\d+", text)[:2]) == levels[0]]
     assert contents(curriculum.train_dataset)[:len(first_level)] == first_level  # the seed's order within a level
-    with pytest.raises(ValueError, match="order='hardest' is not allowed; expected one of shuffled, easy_first"):
+    with pytest.raises(ValueError, match="order='hardest' is not allowed: expected one of shuffled, easy_first"):
         get_task("arithmetic", order="hardest")
 
 
@@ -182,5 +182,5 @@ def test_arithmetic_instruction_first_asks_the_same_questions_with_the_question_
             question, instruction = p.split("? ", 1)
             assert f == f"{instruction} {question}?" and f.startswith(ANSWER_INSTRUCTION)
     assert first.metadata["instruction_first"] is True
-    with pytest.raises(ValueError, match="instruction_first='yes' is not allowed; expected true or false"):
+    with pytest.raises(ValueError, match="instruction_first='yes' is not allowed: expected true or false"):
         get_task("arithmetic", instruction_first="yes")
