@@ -20,6 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .validation import refusal, short_repr
+
 DEMO_SPEC: dict[str, Any] = {
     "model": "smollm2-135m-instruct",
     "task": "arithmetic",
@@ -84,7 +86,7 @@ def demo_spec(algo: str) -> dict[str, Any]:
 
     recipes = algorithms()
     if algo not in recipes:
-        raise JobError(f"--algo {_short(algo)} is not allowed: expected one of {', '.join(recipes)}")
+        raise refusal("--algo", algo, f"expected one of {', '.join(recipes)}", error=JobError)
     spec = dict(DEMO_SPEC)
     spec.update(recipes[algo])
     spec["model_init_kwargs"] = {"dtype": cpu_dtype()}
@@ -99,7 +101,7 @@ def _parse_set(pairs: list[str]) -> dict[str, Any]:
     out = {}
     for pair in pairs:
         if "=" not in pair:
-            raise JobError(f"--set {_short(pair)} is not key=value")
+            raise JobError(f"--set {short_repr(pair)} is not key=value")
         key, value = pair.split("=", 1)
         if not value.strip():  # `--set output_dir=$UNSET`: kept as written, so the field refuses it as from a file
             out[key.strip()] = value
@@ -107,14 +109,9 @@ def _parse_set(pairs: list[str]) -> dict[str, Any]:
         try:
             out[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise JobError(f"--set {_short(pair)}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
+            raise JobError(f"--set {short_repr(pair)}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
                            "e.g. --set 'key=\"text\"'") from None
     return out
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _yaml_problem(error) -> str:
@@ -258,14 +255,21 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: expected a positive integer")
-    return value
+
+
+class _PositiveInt(argparse.Action):
+    """An integer flag (``type=_integer``) refused below 1, in the one line :func:`grpokit.validation.refusal` words
+    (naming the flag as typed: ``--max-steps=0``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values < 1:
+            parser.error(str(refusal(option_string, values, "expected a positive integer")))
+        setattr(namespace, self.dest, values)
 
 
 def _load_for_eval(path: str, tokenizer: str | None):
@@ -370,8 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--started-at", type=float, metavar="EPOCH",
                    help="when that clock started, in seconds since the epoch (default: now; make demo passes the time "
                         "it was run, before installing)")
-    d.add_argument("--max-steps", type=_positive_int)
-    d.add_argument("--eval-n", type=_positive_int, help="held-out prompts evaluated before and after (default 128)")
+    d.add_argument("--max-steps", type=_integer, action=_PositiveInt)
+    d.add_argument("--eval-n", type=_integer, action=_PositiveInt,
+                   help="held-out prompts evaluated before and after (default 128)")
     d.add_argument("--seed", type=int)
     d.add_argument("--set", action="append", metavar="KEY=VALUE")
     d.add_argument("--quiet", action="store_true")
@@ -383,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="mean reward and accuracy (95%% CI) of a model on a task's held-out prompts")
     e.add_argument("--model", required=True, help="model id, directory, or a run's final/ adapter directory")
     e.add_argument("--task", required=True)
-    e.add_argument("-n", type=_positive_int, default=128)
-    e.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    e.add_argument("-n", type=_integer, action=_PositiveInt, default=128)
+    e.add_argument("--max-new-tokens", type=_integer, action=_PositiveInt, default=48)
     e.add_argument("--sample", action="store_true", help="sample at temperature 0.7 instead of greedy")
     e.add_argument("--tokenizer")
     e.add_argument("--json", action="store_true")

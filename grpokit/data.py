@@ -127,8 +127,8 @@ def check_datasets(args, train_dataset, eval_dataset) -> None:
             raise ValueError("dynamic_sampling=True is not supported with an IterableDataset train_dataset yet: it draws "
                              "replacement prompts from the training set by index; use a map-style Dataset")
         if args.max_steps <= 0:
-            raise refusal("max_steps", args.max_steps, "its length is unknown, so set max_steps to a positive number of "
-                          "optimizer steps", when="with an IterableDataset train_dataset")
+            raise refusal("max_steps", args.max_steps, "its length is unknown, so set max_steps to a positive number "
+                          "of optimizer steps", when="with an IterableDataset train_dataset")
         if args.dataloader_num_workers:
             logger.warning("dataloader_num_workers=%d set to 0: workers would interleave the stream and split the "
                            "groups of num_generations completions", args.dataloader_num_workers)
@@ -148,8 +148,8 @@ def check_datasets(args, train_dataset, eval_dataset) -> None:
 def no_dispatch(args) -> bool:
     """``dispatch_batches`` for a stream (``IterableDataset``): False, every process reads it; True is refused."""
     if args.accelerator_config.dispatch_batches is True:
-        raise refusal("accelerator_config.dispatch_batches", True, "Iterable datasets require `dispatch_batches=False` "
-                      "(every process reads the stream); use False or leave it unset")
+        raise refusal("accelerator_config.dispatch_batches", True, "Iterable datasets require "
+                      "`dispatch_batches=False` (every process reads the stream); use False or leave it unset")
     return False
 
 

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .validation import refusal
+
 _config_dirs: list[Path] = []
 
 
@@ -41,7 +43,7 @@ def import_object(spec: str, field: str) -> Any:
     Module names are looked up from the current directory too (as ``python -m`` does); a ``.py`` path is relative
     to it."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(p.strip() for p in spec.split(":")):
-        raise ValueError(f"{field}={spec!r} is not allowed: expected 'package.module:name' or 'path/to/file.py:name'")
+        raise refusal(field, spec, "expected 'package.module:name' or 'path/to/file.py:name'")
     module_name, attr = (p.strip() for p in spec.split(":"))
     module = _load_file(module_name, field, spec) if module_name.endswith(".py") else _load_module(module_name, field,
                                                                                                      spec)

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .validation import short_repr
+from .validation import refusal, short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +163,8 @@ def check_model_source(name_or_path: Any) -> None:
     import difflib
 
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
-        raise ValueError(f"model={name_or_path!r} is not allowed: expected a model directory, a .gguf file, a hub id "
-                         f"or {', '.join(BUILTIN_MODELS)}")
+        raise refusal("model", name_or_path, f"expected a model directory, a .gguf file, a hub id or "
+                      f"{', '.join(BUILTIN_MODELS)}")
     text = str(name_or_path).strip()
     if _builtin_key(text) is not None:
         return
@@ -173,7 +173,7 @@ def check_model_source(name_or_path: Any) -> None:
     try:
         exists = path.exists()
     except OSError as e:  # a name too long for the file system, ...
-        raise ValueError(f"model={short_repr(text)} is not allowed: {e.strerror or e}") from None
+        raise refusal("model", text, f"{e.strerror or e}") from None
     if not exists:
         if path_like:
             raise ValueError(f"model path {text!r} does not exist")
@@ -600,8 +600,6 @@ def lora_target_problem(model, peft_config) -> str | None:
         return None
     if any(bool(check_target_module_exists(peft_config, name)) for name, _ in model.named_modules() if name):
         return None
-    from .validation import short_repr
-
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     return (f"peft_config.target_modules={short_repr(targets)} matches no module of the model; its linear modules "
             f"are named {', '.join(linear)} (or use 'all-linear')")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import refusal
+
 GATE_RULES = ("softmax", "softmax_renormalised")
 
 
@@ -28,7 +30,7 @@ def replayed_gate_weights(logits: torch.Tensor, experts: torch.Tensor, rule: str
     """(T, k) the gate weights of the experts ``experts`` (T, k) from router logits ``logits`` (T, E) by ``rule``
     (:data:`GATE_RULES`), in ``dtype`` (default: the logits'). Differentiable in ``logits``."""
     if rule not in GATE_RULES:
-        raise ValueError(f"rule={rule!r} is not allowed: expected one of {GATE_RULES}")
+        raise refusal("rule", rule, f"expected one of {GATE_RULES}")
     weights = torch.gather(torch.softmax(logits, dim=-1, dtype=torch.float), -1, experts.long())
     if rule == "softmax_renormalised":
         weights = weights / weights.sum(-1, keepdim=True)

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..validation import refusal
 from .importance import IMPORTANCE_SAMPLING_LEVELS
 from .losses import LossSpec, config_params, loss_spec
 
@@ -107,8 +108,7 @@ def build_params(spec: LossSpec, flat: dict[str, Any], overrides: dict[str, Any]
     ``overrides`` by parameter name. A name the loss does not have is an error listing the allowed ones."""
     if spec.params is None:
         if overrides:
-            raise ValueError(f"loss_params={overrides!r} is not allowed: loss_type={spec.name!r} has no "
-                             "parameters of its own")
+            raise refusal("loss_params", overrides, f"loss_type={spec.name!r} has no parameters of its own")
         return None
     by_config = {f.metadata["config"]: f.name for f in spec.param_fields()}
     values = {by_config[k]: v for k, v in flat.items() if k in by_config}

@@ -9,6 +9,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..reporting._util import HELD_OUT_KEYS
+from ..validation import refusal
 
 
 def held_out_record(summary: dict[str, Any]) -> dict[str, float]:
@@ -28,7 +29,7 @@ class HeldOutCurve(TrainerCallback):
     def __init__(self, every_steps: int, evaluate: Callable[[Any], dict[str, Any]],
                  on_result: Callable[[int, dict[str, Any]], None]):
         if every_steps < 1:
-            raise ValueError(f"every_steps={every_steps} is not allowed: expected a positive integer")
+            raise refusal("every_steps", every_steps, "expected a positive integer")
         self.every_steps = every_steps
         self.evaluate = evaluate
         self.on_result = on_result

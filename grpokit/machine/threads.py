@@ -54,12 +54,14 @@ def fit_torch_threads() -> str | None:
 
     chosen = os.environ.get("GRPOKIT_NUM_THREADS")
     if chosen is not None:
+        from ..validation import refusal
+
         try:
             n = int(chosen)
         except ValueError:
-            raise ValueError(f"GRPOKIT_NUM_THREADS={chosen!r} is not allowed: expected a positive integer") from None
+            raise refusal("GRPOKIT_NUM_THREADS", chosen, "expected a positive integer") from None
         if n < 1:
-            raise ValueError(f"GRPOKIT_NUM_THREADS={chosen!r} is not allowed: expected a positive integer")
+            raise refusal("GRPOKIT_NUM_THREADS", chosen, "expected a positive integer")
         torch.set_num_threads(n)
         return None
     if "OMP_NUM_THREADS" in os.environ:

@@ -36,6 +36,7 @@ import torch
 
 from ..bounds.watchdog import stage
 from ..rollout.base import Generation, completion_mask_from_eos
+from ..validation import refusal
 from ..vision.detection import is_vlm
 from ..vision.encoding import tokenizer_of
 from .driver import ContinuingDriver
@@ -107,7 +108,7 @@ def check_partial(pipeline, policy: torch.nn.Module, backend, params) -> None:
     else:
         why = why_not_continued(backend, policy, params)
     if why is not None:
-        raise ValueError(f"partial_rollouts=True is not allowed here: {why}; use partial_rollouts=False")
+        raise refusal("partial_rollouts", True, f"{why}; use partial_rollouts=False", when="here")
 
 
 class PartialRollouts:

@@ -22,6 +22,7 @@ import random
 from typing import Any
 
 from ..algorithms.advantages import below_best, skip_probability
+from ..validation import refusal
 
 DRAW_STREAM_STRIDE = 1_000_003
 """Draw ``d`` of a run seeded ``s`` is ``random.Random(s · DRAW_STREAM_STRIDE + d)``: a prime stride, so that two seeds'
@@ -50,7 +51,7 @@ class PromptSkipper:
     def __init__(self, explore_prob: float, seed: int, explore_prob_hard: float | None = None):
         for name, p in (("explore_prob", explore_prob), ("explore_prob_hard", explore_prob_hard)):
             if p is not None and not 0.0 < p <= 1.0:
-                raise ValueError(f"{name}={p!r} is not allowed: expected a probability in (0, 1]")
+                raise refusal(name, p, "expected a probability in (0, 1]")
         self.explore_prob = explore_prob
         self.explore_prob_hard = explore_prob if explore_prob_hard is None else explore_prob_hard
         self.seed = seed

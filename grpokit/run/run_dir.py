@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..validation import refusal
 from .files import atomic_write_text
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -65,7 +66,7 @@ def check_output_dir(output_dir: Any, create: bool = True) -> Path:
     """``output_dir`` as a usable directory path: not empty, not a file, creatable and writable (one line each).
     ``create``: make it; otherwise only check that it could be made (its nearest existing parent is writable)."""
     if not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir).strip():
-        raise RunDirError(f"output_dir={output_dir!r} is not allowed: expected a directory path")
+        raise refusal("output_dir", output_dir, "expected a directory path", error=RunDirError)
     path = Path(output_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise RunDirError(f"output_dir={str(output_dir)!r} is a file, not a directory: choose a directory path")

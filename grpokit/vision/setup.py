@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..validation import refusal
+
 
 def setup_vision(model, processing_class, args, train_dataset, eval_dataset, *, rollout_func=None,
                  peft_config=None) -> None:
@@ -33,8 +35,8 @@ def setup_vision(model, processing_class, args, train_dataset, eval_dataset, *, 
             args.ddp_find_unused_parameters = True
     if args.freeze_vision:
         if not is_vlm(model):
-            raise ValueError(f"freeze_vision=True is not allowed: {type(model).__name__} is not a vision-language "
-                             "model; leave it False")
+            raise refusal("freeze_vision", True, f"{type(model).__name__} is not a vision-language model; leave it "
+                          "False")
         if peft_config is None and not is_peft(model):
             from .adapters import freeze_vision
 

@@ -229,7 +229,7 @@ FILES: list[tuple[str, bytes | None, list[str], tuple[str, ...]]] = [
     ("huge_model_name_bounded", f"model: /{HUGE}\ntask: arithmetic\n".encode(), ["train", "{cfg}"],
      ("model='/aaaa", "characters", "File name too long")),
     ("unknown_flag", GOOD_YAML.encode(), ["train", "{cfg}", "--resum"], ("unrecognized arguments: --resum",)),
-    ("demo_unknown_algo", None, ["demo", "--algo", "ppo"], ("--algo 'ppo'", "expected one of", "grpo", "vespo")),
+    ("demo_unknown_algo", None, ["demo", "--algo", "ppo"], ("--algo='ppo'", "expected one of", "grpo", "vespo")),
     ("demo_max_steps_zero", None, ["demo", "--max-steps", "0"], ("--max-steps", "0 is not allowed", "positive")),
     ("demo_eval_n_text", None, ["demo", "--eval-n", "many"], ("--eval-n", "'many' is not an integer")),
     ("demo_bad_set", None, ["demo", "--set", "beta=-1"], ("beta=-1", "[0, inf)")),

@@ -157,7 +157,7 @@ def test_a_reward_that_cannot_cross_is_refused_before_the_model_loads(tmp_path):
                                          r"worker process \(rollout_workers=1\): it holds a lock \(_thread.lock\)"):
         GRPOTrainer("no/such/model", [lambda completions, **kw: [1.0] * len(completions), locked_reward()],
                     args=args, train_dataset=[{"prompt": "a"}] * 8)
-    with pytest.raises(ValueError, match="rollout_func is not allowed with rollout_workers=1"):
+    with pytest.raises(ValueError, match="rollout_workers=1 is not allowed with a rollout_func"):
         check_crossing(args, [], None, None, lambda prompts, trainer: None, None)
 
 

@@ -172,7 +172,7 @@ def param_type(spec: LossSpec, f: dataclasses.Field) -> Any:
 
 
 def check_bounds(name: str, value: Any, f: dataclasses.Field) -> str | None:
-    """Why ``value`` is not allowed for the hyper-parameter field ``f`` (None when it is)."""
+    """Why ``value`` is refused for the hyper-parameter field ``f`` (None when it is allowed)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "expected a number"
     if value != value or value in (float("inf"), float("-inf")):

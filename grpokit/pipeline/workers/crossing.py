@@ -16,6 +16,7 @@ import dill
 import torch
 
 from ...data import is_iterable_dataset
+from ...validation import refusal
 
 LOCKS = (type(threading.Lock()), type(threading.RLock()))
 
@@ -61,11 +62,11 @@ def check_crossing(args, reward_funcs, tools, environment_factory, rollout_func,
     if not n:
         return
     if rollout_func is not None:
-        raise ValueError(f"rollout_func is not allowed with rollout_workers={n}: it receives the trainer, which stays in "
-                         "the learner's process; use rollout_workers=0")
+        raise refusal("rollout_workers", n, "the rollout_func receives the trainer, which stays in the learner's "
+                      "process; use rollout_workers=0", when="with a rollout_func")
     if is_iterable_dataset(train_dataset):
-        raise ValueError(f"an IterableDataset train_dataset is not allowed with rollout_workers={n}: workers read "
-                         "generation batches ahead by index; use a map-style Dataset")
+        raise refusal("rollout_workers", n, "workers read generation batches ahead by index; use a map-style Dataset",
+                      when="with an IterableDataset train_dataset")
     for name, obj in _named(reward_funcs, tools, environment_factory):
         why = why_not_crossing(obj)
         if why is not None:

@@ -43,6 +43,7 @@ import torch
 from ...bounds.watchdog import BOARD, stage
 from ...rewards.process import _status
 from ...rewards.process_child import HEADER, write_frame
+from ...validation import refusal
 from ..partial import check_partial
 from ..producer import AsyncRollouts, ProducedBatch
 from .child import STATUS_BYTES, WorkerStatus
@@ -304,8 +305,8 @@ class RolloutWorkers(AsyncRollouts):
         from ...vision.detection import is_vlm
 
         if is_vlm(policy):
-            raise ValueError(f"a vision-language model is not allowed with rollout_workers={n} yet: its images are "
-                             "not carried into worker processes; use rollout_workers=0")
+            raise refusal("rollout_workers", n, "its images are not carried into worker processes yet; use "
+                          "rollout_workers=0", when="with a vision-language model")
         if a.partial_rollouts:
             check_partial(p, policy, backend, params)
         payload = {"args": a, "rows": self.rows, "sampler": policy, "backend": backend, "params": params,
