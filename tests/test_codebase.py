@@ -159,6 +159,17 @@ def test_the_top_level_stays_small():
             f"grpokit/{wing.name}/__init__.py does not say what the wing owns (a docstring)"
 
 
+def test_refusals_are_worded_in_one_place():
+    """Every refusal of a user's value reads the same (field, value, what is allowed) because one module words it:
+    ``grpokit/validation.py`` (``Checker``, ``refusal``). The phrase anywhere else is a hand-written refusal."""
+    pattern = re.compile(r"is not(?:\"\s*\"|\s)+allowed")
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in PACKAGE.rglob("*.py") if p.name != "validation.py"
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    split = [f"{p.relative_to(ROOT)}" for p in PACKAGE.rglob("*.py") if p.name != "validation.py"
+             and re.search(r"is not\s*\"\s*\n\s*f?\"allowed", p.read_text())]
+    assert not offenders + split, f"hand-written refusals (use grpokit.validation.refusal or Checker): {offenders + split}"
+
+
 def test_every_http_reward_service_is_one_class_on_the_base():
     """A reward class that calls a service at a base URL is an ``HttpRewardService`` (the shared set-up lives there
     once) and is registered for configs with ``@reward_class`` (no second hand-written list)."""

@@ -125,7 +125,8 @@ def test_context_or_sequence_parallelism_is_refused_as_trl_refuses_it(tmp_path, 
     with pytest.raises(ValueError) as e:
         cfg(tmp_path, parallelism_config=ParallelismConfig(**sizes))
     name = next(iter(sizes))
-    assert str(e.value).startswith(f"parallelism_config.{name}=2 is not allowed") and "use cp_size=1 and sp_size=1" in str(e.value)
+    assert str(e.value).startswith(f"parallelism_config.{name}=2 is not allowed")
+    assert "use cp_size=1 and sp_size=1" in str(e.value)
     assert "\n" not in str(e.value)
     cfg(tmp_path, parallelism_config=ParallelismConfig(cp_size=1, sp_size=1))  # nothing sharded: accepted
 

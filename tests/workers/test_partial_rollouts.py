@@ -187,7 +187,7 @@ def test_a_resumed_run_loses_no_prompt_and_trains_none_twice(tmp_path):
 
 
 @pytest.mark.parametrize("settings, words", [
-    ({"max_staleness": 0}, "max_staleness=0 is not allowed with partial_rollouts=True; use 1 or more"),
+    ({"max_staleness": 0}, "max_staleness=0 is not allowed with partial_rollouts=True: use 1 or more"),
     ({"dynamic_sampling": True}, "dynamic_sampling=True is not allowed with partial_rollouts=True"),
     ({"staleness_mode": "exact"}, "staleness_mode='exact' is not allowed with partial_rollouts=True"),
     ({"generation_kwargs": {"min_new_tokens": 2}}, "generation_kwargs={'min_new_tokens': 2} is not allowed"),

@@ -166,7 +166,7 @@ def test_config_lines():
 
     for kw, line in [({"rollout_workers": -1}, "rollout_workers=-1 is not allowed"),
                      ({"rollout_workers": 1, "staleness_mode": "exact"},
-                      "staleness_mode='exact' is not allowed with rollout_workers=1; use 'bounded'"),
+                      "staleness_mode='exact' is not allowed with rollout_workers=1: use 'bounded'"),
                      ({"rollout_workers": 2, "use_vllm": True}, "use_vllm=True is not allowed with rollout_workers=2"),
                      ({"rollout_workers": 1, "routing_replay": "old"},
                       "routing_replay='old' is not allowed with rollout_workers=1")]:
