@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -325,6 +326,27 @@ def _tokenizer_source(model_path: str) -> str:
     return model_path
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_vllm_serve(ns: argparse.Namespace) -> int:
+    from .rollout.vllm_launch import ServeOptions, running_server
+    from .run.job_spec import JobError
+
+    extra = [a for a in ns.vllm_args if a != "--"]
+    opts = ServeOptions(model=ns.model, host=ns.host, port=ns.port, dtype=ns.dtype, max_model_len=ns.max_model_len,
+                        enable_lora=ns.enable_lora, max_lora_rank=ns.max_lora_rank, python=ns.python, extra=extra)
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the server as Ctrl-C does (its whole group)
+    try:
+        with running_server(opts, show_output=True) as server:
+            print(f"grpokit vllm-serve: {ns.model} at {server.url}; train with use_vllm=True, vllm_mode='server', "
+                  f"vllm_server_base_url='{server.url}' (Ctrl-C stops it)", flush=True)
+            return server.process.wait()
+    except RuntimeError as e:
+        raise JobError(str(e)) from None
+
+
 def cmd_tasks(ns: argparse.Namespace) -> int:
     from .run.job import algorithms
     from .tasks import list_tasks
@@ -394,6 +416,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
+
+    v = sub.add_parser("vllm-serve", help="start vLLM's OpenAI server for vllm_mode='server' (weight and adapter "
+                                          "sync included; a CPU too: docs/vllm.md)")
+    v.add_argument("--model", required=True, help="the trainer's model: a built-in name, a directory or a hub id")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=_integer, action=_PositiveInt, default=8000)
+    v.add_argument("--dtype", default="auto", help="the engine's dtype (auto, bfloat16, float32, ...)")
+    v.add_argument("--max-model-len", type=_integer, action=_PositiveInt, default=1024)
+    v.add_argument("--enable-lora", action="store_true", help="load LoRA adapters at runtime (vllm_lora_sync)")
+    v.add_argument("--max-lora-rank", type=_integer, action=_PositiveInt, default=16)
+    v.add_argument("--python", default=sys.executable,
+                   help="the Python that has vLLM, e.g. a virtual environment of its own (default: this one)")
+    v.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more of vLLM's own flags")
+    v.set_defaults(func=cmd_vllm_serve)
 
     ls = sub.add_parser("tasks", help="list built-in tasks and algorithm recipes")
     ls.set_defaults(func=cmd_tasks)

@@ -29,6 +29,7 @@ from .validation import Checker, refusal, short_repr
 logger = logging.getLogger("grpokit")
 
 VLLM_MODES = ("colocate", "server")
+VLLM_LORA_SYNC_MODES = ("auto", "full", "adapter")
 STALENESS_MODES = ("bounded", "exact")
 STALL_ACTIONS = ("report", "save_and_exit")
 ROUTING_REPLAY_MODES = ("none", "old", "rollout")
@@ -37,6 +38,7 @@ CHOICE_FIELDS: dict[str, Any] = {
     "loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
     "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS, "advantage_estimator": ADVANTAGE_ESTIMATORS,
     "vllm_mode": VLLM_MODES, "vllm_importance_sampling_mode": SAMPLER_CORRECTION_MODES,
+    "vllm_lora_sync": VLLM_LORA_SYNC_MODES,
     "routing_replay": ROUTING_REPLAY_MODES,
 }
 """Fields whose value is one of a few names; validation lists them (``scale_rewards`` also takes True/False;
@@ -155,6 +157,12 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     vllm_server_port: int = field(default=8000, metadata=_meta("vLLM server port (server mode)."))
     vllm_server_timeout: float = field(default=240.0, metadata=_meta("Seconds to wait for the vLLM server."))
     vllm_group_port: int = field(default=51216, metadata=_meta("Port of the weight-sync process group."))
+    vllm_lora_sync: str = field(
+        default="auto", metadata=_meta("A LoRA policy's weight sync to vLLM's own server (grpokit vllm-serve): "
+                                       "'adapter' (the adapter alone, loaded by the server as a runtime adapter), "
+                                       "'full' (every weight, the adapter folded in) or 'auto' (the adapter alone "
+                                       "where the server has LoRA on and vLLM can run the adapter). grpokit's own.")
+    )
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_meta("GPU memory fraction for vLLM."))
     vllm_max_model_length: int | None = field(default=None, metadata=_meta("vLLM max_model_len."))
     vllm_tensor_parallel_size: int = field(default=1, metadata=_meta("vLLM tensor parallel size."))

@@ -84,7 +84,7 @@ class TrainerDriver:
         params = self._params(max_new_tokens)
         if self.synced_step != t.state.global_step:  # the weights changed since the sampler last saw them
             with full_weights(wrapped) if self.holds_weights else contextlib.nullcontext():
-                t.rollout.sync_weights(unwrapped)
+                t.rollout.sync_weights(unwrapped, step=t.state.global_step)
             self.synced_step = t.state.global_step
         if self.holds_weights:
             return t.rollout.generate(unwrapped, prompt_ids, prompt_mask, params, **images)
@@ -122,7 +122,7 @@ class TrainerDriver:
     def push_weights(self) -> None:
         """Give an engine holding its own weights (vLLM) the current ones (the producer calls it between batches)."""
         with full_weights(self._wrapped()):
-            self.trainer.rollout.sync_weights(self.policy())
+            self.trainer.rollout.sync_weights(self.policy(), step=self.trainer.state.global_step)
 
     # -- log-probs -------------------------------------------------------------------------------------------------
     def policy_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None,

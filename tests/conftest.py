@@ -54,7 +54,7 @@ class FixedRollout:
             sampler_logps = -torch.rand(n, c, generator=self.gen) * 3 - self.sampler_noise
         return Generation(ids, mask, truncated, sampler_logps)
 
-    def sync_weights(self, model):
+    def sync_weights(self, model, step=None):
         self.synced += 1
 
 

@@ -46,7 +46,7 @@ class ScriptedBackend:
         m, trunc = completion_mask_from_eos(out, [self.tok.eos_token_id])
         return Generation(out.masked_fill(m == 0, self.tok.pad_token_id), m, trunc)
 
-    def sync_weights(self, model):
+    def sync_weights(self, model, step=None):
         pass
 
 

@@ -69,8 +69,9 @@ class RolloutBackend(Protocol):
     # ``grpokit.vision.VisionInputs``) and ``images`` (per row, its PIL images) as keyword arguments; the trainer
     # passes them only for rows with images.
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Called after every optimizer step; a backend holding its own copy of the weights refreshes it."""
+    def sync_weights(self, model: torch.nn.Module, step: int | None = None) -> None:
+        """Called after every optimizer step; a backend holding its own copy of the weights refreshes it. ``step``:
+        the training step the weights are from (an error names it)."""
         ...
 
     # Optional: ``generation_batch(model)``, a context manager the trainer enters around every generation call of one

@@ -85,5 +85,5 @@ class ContinuousBatchingRollout:
         return Generation(completion_ids=ids.masked_fill(mask == 0, pad), completion_mask=mask,
                           is_truncated=truncated | empty)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:  # the sampler is the trainer's model itself
+    def sync_weights(self, model: torch.nn.Module, step: int | None = None) -> None:  # the sampler is the trainer's model itself
         return None

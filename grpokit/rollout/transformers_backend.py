@@ -265,7 +265,7 @@ class TransformersRollout:
             inner, ids, mask, max_new_tokens=params.max_new_tokens, eos_ids=eos, pad_id=pad, choose=choose,
             min_new_tokens=min_new, group=group, share_prompt=share, recorder=recorder)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:  # the sampler is the trainer's model itself
+    def sync_weights(self, model: torch.nn.Module, step: int | None = None) -> None:  # the sampler is the trainer's model itself
         return None
 
     @contextlib.contextmanager

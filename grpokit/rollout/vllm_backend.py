@@ -1,15 +1,20 @@
-"""Rollouts with vLLM (GPU): ``vllm_mode="colocate"`` runs a ``vllm.LLM`` in the training process, sharing the
-GPU; ``vllm_mode="server"`` talks to a ``trl vllm-serve`` server through TRL's own client.
+"""Rollouts with vLLM: ``vllm_mode="colocate"`` runs a ``vllm.LLM`` in the training process, sharing the GPU;
+``vllm_mode="server"`` talks to a server: vLLM's own OpenAI server (``grpokit vllm-serve``, on a GPU or a CPU)
+through grpokit's client (:mod:`grpokit.rollout.vllm_server`), or TRL's ``trl vllm-serve`` (GPU, NCCL) through
+TRL's client. Which one answers is asked once, at the start (docs/vllm.md).
 
 vLLM samples with its own kernels, so its log-probs differ slightly from the trainer's: the backend returns them
 (``sampler_logps``) and the trainer applies the mismatch correction of docs/algorithms.md §5. After every optimizer
-step the trainer calls :meth:`VLLMRollout.sync_weights`, which pushes the current weights (LoRA merged in).
+step the trainer calls :meth:`VLLMRollout.sync_weights`, which gives the engine the current weights: all of them
+(LoRA folded in), or, to vLLM's server with ``vllm_lora_sync="adapter"`` (or ``"auto"`` and a LoRA policy), the
+adapter alone, loaded by the server as a runtime adapter.
 
-Both engines are optional: ``pip install grpokit[vllm]`` (and ``trl`` for server mode).
+Both engines are optional: ``pip install grpokit[vllm]`` (and ``trl`` for TRL's server).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +23,10 @@ import torch
 
 from ..bounds.process_group import distributed_initialized
 from .base import Generation, SamplingParams
+from .vllm_server import VLLMServerClient
+from .vllm_sync import WeightSync
+
+logger = logging.getLogger(__name__)
 
 
 def _world_size() -> int:
@@ -146,8 +155,10 @@ class VLLMRollout:
             # One client for the whole run, on the main process: it gathers every rank's prompts (TRL's server
             # takes one communicator); the other ranks get their completions from it.
             is_main = process_index == 0
-            self.client = (client if client is not None else self._make_client(args)) if is_main else None
+            self.client = (client if client is not None else self._make_client(args, model_name_or_path)) if is_main \
+                else None
             self.llm = None
+        self.sync = WeightSync(args.vllm_lora_sync) if isinstance(self.client, VLLMServerClient) else None
 
     @staticmethod
     def _make_llm(model_name_or_path: str, args, process_index: int):
@@ -169,12 +180,20 @@ class VLLMRollout:
         )
 
     @staticmethod
-    def _make_client(args):
+    def _make_client(args, model_name_or_path: str):
+        """vLLM's own server (it lists models at ``/v1/models``) gets grpokit's client, checked against the run;
+        TRL's ``trl vllm-serve`` gets TRL's."""
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        own = VLLMServerClient(base_url, timeout=args.vllm_server_timeout)
+        if own.serves_openai_api():
+            own.check(model_name_or_path)
+            return own
         try:
             from trl.generation.vllm_client import VLLMClient
         except ImportError as e:
             raise ImportError(
-                "vllm_mode='server' talks to `trl vllm-serve` through TRL's client: pip install trl vllm"
+                f"the server at {base_url} is not vLLM's OpenAI server, so it would be TRL's `trl vllm-serve`, which "
+                "TRL's client talks to: pip install trl (or start vLLM's server: grpokit vllm-serve --model ...)"
             ) from e
         client = VLLMClient(base_url=args.vllm_server_base_url, host=args.vllm_server_host,
                             server_port=args.vllm_server_port, group_port=args.vllm_group_port,
@@ -234,7 +253,13 @@ class VLLMRollout:
         everyone = _all_gather_objects(prompts) if world > 1 else [prompts]
         every_image = _all_gather_objects(images or [None] * len(prompts)) if world > 1 else [images or []]
         result = [None]
-        if self.client is not None:
+        if isinstance(self.client, VLLMServerClient):
+            if any(i for rank_images in every_image for i in rank_images):
+                raise ValueError("images with vLLM's own server are not sent by grpokit's client yet; use TRL's "
+                                 "`trl vllm-serve` or vllm_mode='colocate'")
+            flat = [p for rank_prompts in everyone for p in rank_prompts]
+            result = [self.client.generate(flat, kwargs)]
+        elif self.client is not None:
             kwargs = dict(kwargs)
             kwargs.pop("n")
             named = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs")
@@ -258,7 +283,14 @@ class VLLMRollout:
         return completions[start:start + len(prompts)], logps[start:start + len(prompts)]
 
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, step: int | None = None) -> None:
+        """Give the engine ``model``'s weights (``step``: the training step they are from, named in errors)."""
+        if self.sync is not None:  # vLLM's own server: a file in shared memory, all weights or the adapter
+            if step is not None:
+                self.client.step = step
+            report = self.sync.push(model, self.client)
+            logger.debug("vLLM weight sync (%s): %d bytes in %.2f s", report.kind, report.bytes, report.seconds)
+            return
         if self.mode == "colocate":
             self._wake()
             engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model

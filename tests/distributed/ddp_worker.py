@@ -81,7 +81,7 @@ class GlobalRowRollout:
         mask, truncated = completion_mask_from_eos(ids, [self.tokenizer.eos_token_id])
         return Generation(ids.masked_fill(mask == 0, self.tokenizer.pad_token_id), mask, truncated)
 
-    def sync_weights(self, model):
+    def sync_weights(self, model, step=None):
         pass
 
 

@@ -426,7 +426,7 @@ class _RepeatingRollout:
                 t[copy::4] = t[0::4]
         return out
 
-    def sync_weights(self, model):
+    def sync_weights(self, model, step=None):
         return None
 
 

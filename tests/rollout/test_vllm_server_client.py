@@ -1,0 +1,188 @@
+"""grpokit's client of vLLM's own server against a stand-in that answers as vLLM 0.32's OpenAI server does (the real
+engine: tests/vllm/, `make test-vllm`): every server it cannot use is one line saying what to do, a server that stops
+answering is an error within the bound, and the launcher's own failures are lines too."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from service_servers import closed_port
+
+from grpokit.rollout.vllm_launch import ServeOptions, running_server, server_command
+from grpokit.rollout.vllm_server import WORKER_EXTENSION, VLLMServerClient, VLLMServerError
+
+
+def vllm_config(**changes):
+    config = {"model_config": {"logprobs_mode": "processed_logprobs", "hf_text_config": {"vocab_size": 100}},
+              "parallel_config": {"worker_extension_cls": WORKER_EXTENSION}, "lora_config": None}
+    for key, value in changes.items():
+        section, _, name = key.partition("__")
+        if name:
+            config[section][name] = value
+        else:
+            config[section] = value
+    return config
+
+
+class StandIn:
+    """GET answers by path (status, body); POST /v1/completions sleeps ``delay`` seconds first."""
+
+    def __init__(self, **config_changes):
+        self.get = {"/health": (200, {}), "/version": (200, {"version": "0.32.0"}),
+                    "/v1/models": (200, {"data": [{"id": "/models/tiny", "parent": None}]}),
+                    "/server_info?config_format=json": (200, {"vllm_config": vllm_config(**config_changes)})}
+        self.delay = 0.0
+        self.posts = []
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(*stand_in.get.get(self.path, (404, {"detail": "Not Found"})))
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+                stand_in.posts.append((self.path, body))
+                time.sleep(stand_in.delay)
+                if self.path == "/v1/completions":
+                    choices = [{"index": i, "logprobs": {"tokens": ["token_id:7", "token_id:2"],
+                                                         "token_logprobs": [-0.5, -0.25]}}
+                               for i in range(len(body["prompt"]))]
+                    self._send(200, {"choices": choices[::-1]})  # any order: the client sorts by index
+                else:
+                    self._send(200, {})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stand_in():
+    servers = []
+
+    def make(**changes):
+        servers.append(StandIn(**changes))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_a_fit_server_is_used_and_generation_reads_ids_and_logps_in_prompt_order(stand_in):
+    server = stand_in()
+    client = VLLMServerClient(server.url, timeout=10)
+    assert client.serves_openai_api()
+    client.check("/models/tiny", vocab_size=100)
+    ids, logps = client.generate([[1, 2], [3]], {"n": 1, "temperature": 0.7, "max_tokens": 2, "logprobs": 0})
+    assert ids == [[7, 2], [7, 2]] and logps == [[-0.5, -0.25], [-0.5, -0.25]]
+    path, body = server.posts[-1]
+    assert path == "/v1/completions" and body["model"] == "/models/tiny" and body["prompt"] == [[1, 2], [3]]
+    assert body["return_tokens_as_token_ids"] is True and body["temperature"] == 0.7 and body["n"] == 1
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"model_config__logprobs_mode": "raw_logprobs"}, "reports log-probs as 'raw_logprobs'"),
+    ({"parallel_config__worker_extension_cls": ""}, f"--worker-extension-cls {WORKER_EXTENSION}"),
+    ({"model_config__hf_text_config": {"vocab_size": 50}}, "(vocabulary 50) but the trainer's model"),
+])
+def test_a_server_grpokit_cannot_use_is_one_line(stand_in, changes, expected):
+    server = stand_in(**changes)
+    with pytest.raises(VLLMServerError) as e:
+        VLLMServerClient(server.url, timeout=10).check("/models/tiny", vocab_size=100)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    assert "grpokit vllm-serve" in str(e.value) or "serve the trainer's model" in str(e.value)
+
+
+def test_an_old_vllm_and_a_server_without_dev_mode_are_one_line(stand_in):
+    old = stand_in()
+    old.get["/version"] = (200, {"version": "0.10.2"})
+    with pytest.raises(VLLMServerError, match=r"is vLLM 0\.10\.2; grpokit's client needs vLLM >= 0\.32"):
+        VLLMServerClient(old.url, timeout=10).check("/models/tiny")
+    plain = stand_in()
+    del plain.get["/server_info?config_format=json"]
+    with pytest.raises(VLLMServerError, match=r"has no /server_info \(not in dev mode: VLLM_SERVER_DEV_MODE=1"):
+        VLLMServerClient(plain.url, timeout=10).check("/models/tiny")
+
+
+def test_no_server_is_one_line_and_trls_server_is_told_apart(stand_in):
+    with pytest.raises(VLLMServerError, match=r"no vLLM server answers at http://127\.0\.0\.1:\d+ \(.*Connection"):
+        VLLMServerClient(f"http://127.0.0.1:{closed_port()}", timeout=5).serves_openai_api()
+    trl_like = stand_in()
+    del trl_like.get["/v1/models"]
+    assert VLLMServerClient(trl_like.url, timeout=5).serves_openai_api() is False
+
+
+def test_a_server_that_stops_answering_is_an_error_within_the_bound_naming_the_step(stand_in):
+    server = stand_in()
+    client = VLLMServerClient(server.url, timeout=1.0)
+    client.check("/models/tiny")
+    client.step = 7
+    server.delay = 30
+    start = time.monotonic()
+    with pytest.raises(VLLMServerError) as e:
+        client.load_weight_file("/dev/shm/none.safetensors", 3)
+    assert time.monotonic() - start < 20
+    assert f"vLLM server at {server.url}: loading the weights (3 tensors) failed at training step 7: " in str(e.value)
+    assert "timed out" in str(e.value)
+
+
+def test_adapter_sync_needs_lora_on_and_a_rank_that_fits(stand_in):
+    off = VLLMServerClient(stand_in().url, timeout=5)
+    off.check("/models/tiny")
+    with pytest.raises(VLLMServerError, match="runs without --enable-lora.*vllm_lora_sync='full'"):
+        off.check_adapter(8)
+    on = VLLMServerClient(stand_in(lora_config={"max_lora_rank": 16}).url, timeout=5)
+    on.check("/models/tiny")
+    on.check_adapter(16)
+    with pytest.raises(VLLMServerError, match="takes adapters up to rank 16, the policy's is 32: start it with "
+                                              "--max-lora-rank 32"):
+        on.check_adapter(32)
+
+
+def test_the_launcher_says_what_is_wrong_in_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is in use"):
+            with running_server(ServeOptions(model="/nowhere", port=port)):
+                pass
+    # an interpreter without vLLM: the server's own exit ends the wait, with its cause
+    opts = ServeOptions(model="/nowhere", port=closed_port(), python=sys.executable)
+    with pytest.raises(RuntimeError, match=r"exited with status 1 before answering: .*No module named 'vllm"):
+        with running_server(opts, log=tmp_path / "server.log", start_timeout_s=120):
+            pass
+
+
+def test_the_server_command_asks_for_what_the_client_needs():
+    argv, env = server_command(ServeOptions(model="/m", port=1234, enable_lora=True, max_lora_rank=32,
+                                            memory_fraction=0.2, extra=["--seed", "3"]))
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    text = " ".join(argv)
+    for flag in (f"--worker-extension-cls {WORKER_EXTENSION}", "--logprobs-mode processed_logprobs", "--port 1234",
+                 "--enable-lora --max-lora-rank 32", "--gpu-memory-utilization 0.2", "--seed 3"):
+        assert flag in text
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
