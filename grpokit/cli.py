@@ -66,8 +66,9 @@ constant rate the held-out accuracy wandered by ±5 points from step 50 on: a ru
 training stops there (``max_steps`` 130) if the time budget has not ended it first,
 sampling at temperature 0.9 among the 50 likeliest tokens, the
 trained weights averaged (``ema_decay`` 0.9: what is evaluated and saved), held-out accuracy every 10 steps (the 128
-questions generated together); 2.4-9 s a step on the 2-core CPUs measured (an AMD EPYC with AVX512-BF16: 2.4-4.5 s once
-the reply style has settled). docs/demo.md has the
+questions generated together); a few seconds a step on the 2-core CPUs measured, the fewest on an AMD EPYC with
+AVX512-BF16 once the reply style has settled (benchmarks/RESULTS.md, 'Measurements behind design choices').
+docs/demo.md has the
 recipe search behind it and the measured runs."""
 
 

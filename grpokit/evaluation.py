@@ -63,7 +63,7 @@ def evaluate(
     ``bounds``: time bounds on user code, as in training (a stop raises :class:`grpokit.bounds.user_calls.RunStopped`).
 
     ``batch_size`` prompts are generated together (more is faster where memory allows: on a 2-core CPU 128 rows of
-    SmolLM2 take 2.5× the time of 32: benchmarks/RESULTS.md), and a LoRA adapter is folded into the weights once for all of them.
+    SmolLM2 take far less than 4× the time of 32, benchmarks/RESULTS.md), and a LoRA adapter is folded in once for all.
 
     Under multi-process training every rank evaluates every row; with sharded weights (FSDP, ZeRO-3) all ranks
     must call this together and ``gather`` decides how generation sees the weights (grpokit/forward/sharding.py).

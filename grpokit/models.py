@@ -7,8 +7,9 @@ Three kinds of name are understood by :func:`load_model` and :func:`load_tokeniz
   demo and the tests work without network access. The Q4_1 weights are dequantised to a plain
   float32 model (fully trainable), and written once as a safetensors checkpoint under
   ``$GRPOKIT_CACHE/smollm2-135m-instruct`` (default ``~/.cache/grpokit/smollm2-135m-instruct``);
-  later loads read that directory (measured on 2 busy CPU cores: ~30 s for the first load, which
-  parses and dequantises the GGUF and writes the cache; ~0.3 s model + ~0.5 s tokenizer after).
+  later loads read that directory (the first load, which parses and dequantises the GGUF and writes
+  the cache, takes tens of seconds; later ones under a second each for the model and the tokenizer:
+  benchmarks/RESULTS.md, 'Measurements behind design choices').
 * a path to any other ``.gguf`` file (or a directory holding exactly one ``.gguf`` file and no
   ``config.json``): loaded through transformers' GGUF support, dequantised, and stripped of its
   quantization config so that it can be trained and saved like any other model.
@@ -296,9 +297,10 @@ def gguf_parsed_once() -> Iterator[None]:
     """Within the block each GGUF file is parsed once and gguf's tensor-name map built once per architecture.
 
     transformers parses a GGUF file's header again for the config, the weights and the tokenizer (SmolLM2's holds a
-    49,152-token vocabulary: ~5 s a parse on a 2-core CPU), and builds gguf's tensor-name map again for every
-    module it maps (397 times for SmolLM2, ~6 s). Both are only read: converting the demo's model took 41 s with every
-    parse and map and 23 s with each once, on a 2-core AMD EPYC, and wrote the same bytes."""
+    49,152-token vocabulary: seconds a parse on a 2-core CPU), and builds gguf's tensor-name map again for every
+    module it maps (397 times for SmolLM2, seconds in all). Both are only read: converting the demo's model with each
+    parsed and built once took about half as long, on a 2-core AMD EPYC, and wrote the same bytes
+    (benchmarks/RESULTS.md, 'Measurements behind design choices')."""
     try:
         import gguf
     except ImportError:  # transformers says what is missing when it needs it

@@ -6,8 +6,9 @@ the same ``y = x·Wᵀ + bias + s·(x·Aᵀ)·Bᵀ`` (Hu et al. 2021, "LoRA", eq
 term added by the GEMM that computes it (``addmm`` with ``alpha = s``), and a backward written out for the three
 tensors that need gradients (``x``, ``A``, ``B``; ``W`` is frozen), the scaling folded into the small products. The
 same computation up to float rounding (the sum's order); what the fast paths of Unsloth's LoRA kernels also do. On
-SmolLM2-135M with r 16 on every linear layer, float32 on a 2-core Xeon, the loss's forward took 0.75 s instead of 1.11,
-its backward 0.76 instead of 0.82, peak memory 260 MB less (benchmarks/RESULTS.md).
+SmolLM2-135M with r 16 on every linear layer, float32 on a 2-core Xeon, the loss's forward took about a third less
+time, its backward a little less, and the peak memory went down (benchmarks/RESULTS.md, 'Measurements behind design
+choices').
 
 :func:`fused_lora` puts it in place of PEFT's forward for the block's duration, on the layers where it computes what
 PEFT would (:func:`grpokit.forward.lora_layers.plain_adapter`, and at call time: input and base weight of one dtype or

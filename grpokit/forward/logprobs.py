@@ -187,8 +187,8 @@ PREFIX_MIN_SAVED = 0.1
 """The training forward encodes the prefix all of a chunk's prompts begin with once only when that saves at least
 this share of the positions its forwards run: a third forward and a cache repeated with its gradient cost more than
 a few positions save. Measured on a 2-core AMD EPYC (SmolLM2-135M, float32, forward and backward, a 27-token system
-turn): 2 prompts × 4 completions of 48 tokens (5.5% saved) 3.10 → 3.21 s; 8 × 4 of 12 tokens with LoRA (24% saved)
-3.77 → 3.21 s."""
+turn): 2 prompts × 4 completions of 48 tokens (5.5% saved) slower with the prefix encoded once; 8 × 4 of 12 tokens
+with LoRA (24% saved) faster (benchmarks/RESULTS.md, 'Measurements behind design choices')."""
 
 
 def _prefix_pays(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: int, completion_len: int) -> bool:
@@ -274,8 +274,9 @@ def _select_cache_rows(cache, index: torch.Tensor) -> None:
 
 
 BUCKET_OVERHEAD = 16
-"""What one more forward of the completions costs, in positions run (forward and backward: ~40 ms of Python and small
-ops against ~5 ms a position for SmolLM2-135M on a 2-core CPU)."""
+"""What one more forward of the completions costs, in positions run (forward and backward: its Python and small
+ops cost as much as several positions do for SmolLM2-135M on a 2-core CPU; benchmarks/RESULTS.md, 'Measurements
+behind design choices')."""
 
 
 def length_buckets(lengths: torch.Tensor, overhead: int = BUCKET_OVERHEAD, candidates: int = 64) -> list[torch.Tensor]:

@@ -1,13 +1,13 @@
 """What this CPU computes natively and fast, for choosing the demo's dtype.
 
-bf16 matrix products run on AMX tiles or AVX512-BF16 units where the CPU has them: a LoRA step of SmolLM2-135M
-takes 5.6 s in bf16 against 6.6 s in float32 on a 2-core AMX CPU (benchmarks/RESULTS.md), and the demo fits 42-60
-steps into its budget against 28-35. Without those units torch emulates bf16 arithmetic, slower than float32, so
-float32 stays the choice there. Having the units is not enough: on a Xeon's cores with AMX turned off
-(``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``) oneDNN's AVX512-BF16 kernels multiply a prefill-sized product at
-0.65-0.82× the speed of float32 (whose AVX512 units that CPU has twice), where an AMD EPYC's reach 2.8× and AMX ~5×:
-so the choice also times one such product in both dtypes (:func:`bf16_speedup`, 0.1-0.4 s) and takes bf16 only where
-it is clearly faster (:data:`BF16_MIN_SPEEDUP`). The timing is made once per machine and kept
+bf16 matrix products run on AMX tiles or AVX512-BF16 units where the CPU has them: on a 2-core AMX CPU a LoRA step
+of SmolLM2-135M is faster in bf16 than in float32, and the demo fits more steps into its budget. Without those units
+torch emulates bf16 arithmetic, slower than float32, so float32 stays the choice there. Having the units is not
+enough: on a Xeon's cores with AMX turned off (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``) oneDNN's AVX512-BF16 kernels
+multiply a prefill-sized product slower than float32 (whose AVX512 units that CPU has twice), where an AMD EPYC's
+are several times faster and AMX faster still (benchmarks/RESULTS.md, 'Measurements behind design choices'):
+so the choice also times one such product in both dtypes (:func:`bf16_speedup`, well under a second) and takes bf16
+only where it is clearly faster (:data:`BF16_MIN_SPEEDUP`). The timing is made once per machine and kept
 (:func:`measured_bf16_speedup`), so every later demo there — another seed, a resumed run — takes the same dtype, as
 the choice by CPU flags alone did.
 """
@@ -20,8 +20,8 @@ import time
 
 BF16_MIN_SPEEDUP = 1.5
 """bf16 is chosen where it multiplies at least this many times faster than float32: far from both sides measured
-(0.65-0.82× on AVX512-BF16 Xeon cores, 2.8× on an AMD EPYC, ~5× with AMX), so a busy machine's timing noise does
-not flip it."""
+(under 1× on AVX512-BF16 Xeon cores, several times on an AMD EPYC and with AMX: benchmarks/RESULTS.md, 'Measurements
+behind design choices'), so a busy machine's timing noise does not flip it."""
 
 SPEEDUP_FILE = "bf16-speedup.json"
 """In grpokit's cache folder: :func:`bf16_speedup` by machine (:func:`machine_key`)."""

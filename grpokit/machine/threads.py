@@ -2,7 +2,8 @@
 
 torch starts one thread per core. When other CPU-bound processes already run on a small machine, those threads
 oversubscribe the cores and spin against each other: on a 2-core machine with one other busy process, a demo
-step took 193 s with torch's default 2 threads and 17 s with 1. A job on the CPU therefore uses
+step took many times longer with torch's default 2 threads than with 1 (benchmarks/RESULTS.md, 'Measurements
+behind design choices'). A job on the CPU therefore uses
 ``cores - busy`` threads (at least 1), where ``busy`` is how many cores other processes kept busy over half a
 second when it starts (``/proc/stat``; the 1-minute load average where that is missing, which lags: it still
 counts a process that just ended), unless the user chose a count (``OMP_NUM_THREADS`` or

@@ -5,7 +5,8 @@ returned :class:`Generation` are those of :class:`TransformersRollout`.
 
 On a CPU the engine's KV cache is sized for the call (every row's prompt and new tokens) unless the config sets its
 size itself: left to size it by memory, transformers reserves a share of free RAM and zero-fills it on every call
-(half of 16 GB free: ~7.8 GB and 4-8 s for a tiny model's four 12-token completions)."""
+(gigabytes and seconds of work for a tiny model's four 12-token completions: benchmarks/RESULTS.md, 'Measurements
+behind design choices')."""
 
 from __future__ import annotations
 

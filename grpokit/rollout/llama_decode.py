@@ -1,8 +1,9 @@
 """One decode step of a Llama causal LM as a flat sequence of tensor operations, for the CPU decode loop.
 
-A decode step of SmolLM2-135M at 8 rows multiplies 540 MB of weights in ~55 ms on a 2-core CPU; transformers' module
-tree around those matmuls (30 decoder layers, each norm, projection, rotary embedding and attention a module call
-with its own views, casts and checks; the 4-D mask built again every step) adds ~35 ms more. :func:`llama_step`
+A decode step of SmolLM2-135M at 8 rows multiplies 540 MB of weights; on a 2-core CPU transformers' module tree
+around those matmuls (30 decoder layers, each norm, projection, rotary embedding and attention a module call with its
+own views, casts and checks; the 4-D mask built again every step) adds more than half of the matmuls' time again
+(benchmarks/RESULTS.md, 'Measurements behind design choices'). :func:`llama_step`
 computes what ``LlamaForCausalLM.forward`` computes for one new token per row, with the model's own parameters,
 rotary-embedding module, activation, cache and the weights :mod:`grpokit.rollout.packed` packed, and nothing else:
 the same operations in the same order as transformers' eager code (RMSNorm in float32, rotary, attention by
@@ -127,7 +128,7 @@ def llama_step(model: nn.Module, layers: list, head: nn.Linear, input_ids: torch
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)  # (S, 1, head_dim)
     hidden = hidden.view(s, -1)
     # (S, 1, 1, L): 0 where a row attends, -inf on its padding, built once for every layer (a bool mask is turned
-    # into this inside each attention call: ~20 µs a call at 8 rows, the same result)
+    # into this inside each attention call, a small cost in every call; the same result)
     mask = None
     if not bool(attention_mask.all()):
         mask = torch.zeros(attention_mask.shape, dtype=hidden.dtype).masked_fill_(attention_mask == 0, float("-inf"))

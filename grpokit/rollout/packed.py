@@ -3,18 +3,20 @@
 A decode step multiplies a few rows by every weight matrix of the model. torch's default CPU path (MKL's GEMM in
 float32, oneDNN's matmul in bf16) repacks each weight on every call; oneDNN's inner-product primitive with a weight
 packed once into its blocked layout reads it as it is. On a 2-core AMD EPYC (AVX2 only) a whole decode step of
-SmolLM2-135M in float32 took 63 instead of 82 ms at 8 rows and 114 instead of 134 ms at 32
-(``benchmarks/bench_packed.py``, benchmarks/RESULTS.md); in bf16 on a 2-core Xeon with AMX a whole step (through
-transformers' forward) took 43 instead of 51 ms at 8 rows and 114 instead of 130 at 128, its matmuls alone half.
-Packing every weight takes ~0.2 s and one more copy of the linear weights in memory for as long as the context lasts;
+SmolLM2-135M in float32 is faster packed, more so at 8 rows than at 32 (``benchmarks/bench_packed.py``); in bf16 on
+a 2-core Xeon with AMX a whole step (through transformers' forward) is faster too, its matmuls alone about twice as
+fast (benchmarks/RESULTS.md, 'Measurements behind design choices').
+Packing every weight takes a fraction of a second and one more copy of the linear weights in memory for as long as
+the context lasts;
 the results equal the unpacked layers' up to float rounding (another summation order). float32 weights on a CPU with
 oneDNN, and bf16 ones where oneDNN computes bf16 (:func:`packable_dtypes`: AVX512-BF16, AMX, AVX-NE-CONVERT);
 anything else is left as is.
 
 A PEFT LoRA layer is packed with its adapter folded in, ``W + s·B·A`` (summed in float32, rounded once to the base
 weight's dtype), without writing that into ``W`` (what merging and unmerging the adapter around generation did: on
-SmolLM2-135M with r 16 on every linear layer, merge, pack and unmerge took 0.72-0.79 s a generation batch in float32,
-folding while packing 0.32 s; a bf16 base was merged into and restored from a copy) — where every LoRA layer of the
+SmolLM2-135M with r 16 on every linear layer, merge, pack and unmerge took more than twice as long a generation batch
+in float32 as folding while packing, benchmarks/RESULTS.md, 'Measurements behind design choices'; a bf16 base was
+merged into and restored from a copy) — where every LoRA layer of the
 model can be (:func:`foldable_lora`); otherwise the adapters are merged first
 (:func:`grpokit.rollout.transformers_backend.lora_merged`) and the merged weights packed.
 """

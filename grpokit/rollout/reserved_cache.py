@@ -2,10 +2,10 @@
 
 transformers' ``DynamicLayer`` grows by ``torch.cat`` at every decode step: each of a model's layers copies its
 whole key and value cache into a fresh tensor for one new position, so a completion of ``T`` tokens copies
-``O(T²)``. On a 2-core AMD EPYC (SmolLM2-135M, float32, 8 rows = 2 prompts × 4, sampling to a fixed length,
-alternated runs) 512 new tokens took 37.6 s instead of 40.9 s (8%); at 48 tokens the difference is ~1% (3.67 vs
-3.72 s). :func:`reserve` swaps each plain ``DynamicLayer`` of a prefilled cache for a :class:`ReservedLayer`,
-whose keys and values are views into buffers with room for ``extra`` more positions: a step
+``O(T²)``. On a 2-core AMD EPYC (SmolLM2-135M, float32, 8 rows = 2 prompts × 4, sampling to a fixed length)
+reserving saves a few percent at 512 new tokens and next to nothing at 48 (benchmarks/RESULTS.md, 'Measurements
+behind design choices'). :func:`reserve` swaps each plain ``DynamicLayer`` of a prefilled cache for a
+:class:`ReservedLayer`, whose keys and values are views into buffers with room for ``extra`` more positions: a step
 writes its position in place. The attention reads the same numbers (a view of the same values), so sampling is
 unchanged; layers of any other kind (sliding windows, linear attention) are left as they are.
 """

@@ -1,8 +1,9 @@
 """Drawing tokens on a CPU: transformers' warpers and one inverse-CDF draw per row, the distribution computed once per
 decode state.
 
-``torch.multinomial`` on a CPU draws one exponential per vocabulary entry (~35 ms for 32 rows × 49k tokens, a quarter
-of a decode step of SmolLM2-135M); one uniform per row and a search in the cumulative probabilities costs ~2 ms. Two
+``torch.multinomial`` on a CPU draws one exponential per vocabulary entry (for 32 rows × 49k tokens, a good part of
+a decode step of SmolLM2-135M); one uniform per row and a search in the cumulative probabilities costs a small
+fraction of that (benchmarks/RESULTS.md, 'Measurements behind design choices'). Two
 more things keep the draw cheap where a confident policy makes it the larger part of a step:
 
 * *once per state*: rows that share a history (:mod:`grpokit.rollout.decode`) have the same distribution; it is

@@ -24,8 +24,9 @@ __all__ = ["InverseCDFSampler", "TransformersRollout", "fast_sampler", "lora_mer
 
 @contextlib.contextmanager
 def lora_merged(model: torch.nn.Module) -> Iterator[bool]:
-    """LoRA adapters folded into the base weights while generating: one matmul per layer instead of three (~25% less
-    rollout time for SmolLM2 with r=16 on all linear layers in float32), and the base weights given back exactly
+    """LoRA adapters folded into the base weights while generating: one matmul per layer instead of three (less
+    rollout time for SmolLM2 with r=16 on all linear layers in float32: benchmarks/RESULTS.md, 'Measurements behind
+    design choices'), and the base weights given back exactly
     after. Yields whether it merged.
 
     A float32/float64 base is merged and unmerged (back to ~1e-8). A bf16/fp16 base would be rounded twice by that
@@ -59,7 +60,7 @@ def lora_merged(model: torch.nn.Module) -> Iterator[bool]:
             for p, saved in backup:
                 p.copy_(saved)
         if len(rounded) == len(wrapped):  # all restored from the copy: only PEFT's record of the merge is left
-            for layer in tuner_layers:  # (unmerging would recompute every ΔW, ~0.13 s for SmolLM2, to no use)
+            for layer in tuner_layers:  # (unmerging would recompute every ΔW: time spent to no use)
                 layer.merged_adapters = []
 
 
@@ -81,7 +82,8 @@ def decoding_weights(model: torch.nn.Module, pack: bool, rows_hint: int = 32) ->
 def contiguous_head_input(model: torch.nn.Module) -> Iterator[None]:
     """transformers' causal LMs hand their LM head the prefill's last position as a strided view,
     ``hidden[:, -1:, :]``; on a CPU torch's matmul then expands the head's weight to (B, D, V) and copies it
-    (32 rows of SmolLM2: 3.3 s in bf16 against 10 ms for a contiguous input, 85 against 12 ms in float32). A
+    (for 32 rows of SmolLM2 hundreds of times slower than a contiguous input in bf16, several times in float32:
+    benchmarks/RESULTS.md, 'Measurements behind design choices'). A
     pre-hook on the head makes its input contiguous while generating."""
     inner = inner_causal_lm(model) or model
     try:
@@ -271,9 +273,9 @@ class TransformersRollout:
     @contextlib.contextmanager
     def generation_batch(self, model: torch.nn.Module):
         """The adapter merged (or folded into packed weights) once for every call of one generation batch (each
-        call's own :func:`decoding_weights` then finds it done and leaves it): 0.35 s a call saved for SmolLM2 in bf16
-        on a CPU; and the weights packed once (``pack_weights``). Not for sharded weights (the trainer does not enter
-        it there)."""
+        call's own :func:`decoding_weights` then finds it done and leaves it): a fraction of a second saved a call for
+        SmolLM2 in bf16 on a CPU (benchmarks/RESULTS.md, 'Measurements behind design choices'); and the weights
+        packed once (``pack_weights``). Not for sharded weights (the trainer does not enter it there)."""
         with decoding_weights(model, self.pack_weights):
             yield
 

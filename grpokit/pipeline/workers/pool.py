@@ -284,7 +284,8 @@ class _Doing:
 def worker_threads(n: int) -> int:
     """Each worker's torch threads: the CPU's cores shared among the learner and ``n`` workers (one at least). More
     would oversubscribe the cores while workers generate beside the learner's step (measured on 2 cores: two threads
-    in one worker beside the learner's two made a step 7x slower)."""
+    in one worker beside the learner's two made a step several times slower; benchmarks/RESULTS.md, 'Measurements
+    behind design choices')."""
     return max(1, (os.cpu_count() or 1) // (n + 1))
 
 
