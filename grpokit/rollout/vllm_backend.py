@@ -15,8 +15,6 @@ Both engines are optional: ``pip install grpokit[vllm]`` (and ``trl`` for TRL's 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +22,7 @@ import torch
 from ..bounds.process_group import distributed_initialized
 from .base import Generation, SamplingParams
 from .vllm_server import VLLMServerClient
-from .vllm_sync import WeightSync
+from .vllm_sync import WeightSync, engine_weights
 
 logger = logging.getLogger(__name__)
 
@@ -76,35 +74,6 @@ def pad_rollouts(
         mask[i, :len(c)] = 1
         lp[i, :len(c)] = torch.tensor(l, dtype=torch.float32)
     return Generation(ids, mask, torch.tensor(truncated, dtype=torch.bool), lp)
-
-
-@contextmanager
-def engine_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
-    """The model's weights under the names of the plain base model, read once inside the ``with`` block. A PEFT
-    model's LoRA layers give ``W + ΔW`` computed one layer at a time, in the base weight's dtype, without touching
-    the model: merging into a bf16/fp16 base and unmerging after would round it twice at every sync, and the
-    base would drift (tests/rollout/test_transformers_backend.py measures that drift)."""
-    yield _engine_pairs(model)
-
-
-def _engine_pairs(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    if not (hasattr(model, "merge_adapter") and getattr(model, "peft_config", None)):
-        for name, tensor in model.state_dict().items():
-            yield name, tensor.detach()
-        return
-    prefix = "base_model.model."
-    layers = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
-    for name, tensor in model.state_dict().items():
-        if "lora_" in name or ".original_module." in name:
-            continue  # adapters are folded in below; the trained copy of a modules_to_save layer is used
-        layer = layers.get(name.removesuffix(".base_layer.weight")) if name.endswith(".base_layer.weight") else None
-        tensor = tensor.detach()
-        if layer is not None and not layer.merged:
-            adapters = [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
-            if adapters:
-                delta = sum(layer.get_delta_weight(a).float() for a in adapters)
-                tensor = (tensor.float() + delta).to(tensor.dtype)
-        yield name.removeprefix(prefix).replace(".base_layer", "").replace(".modules_to_save.default", ""), tensor
 
 
 def place_image_features(features: dict | None, prompt_ids: list[int], image_token_id: int | None,
@@ -159,6 +128,9 @@ class VLLMRollout:
                 else None
             self.llm = None
         self.sync = WeightSync(args.vllm_lora_sync) if isinstance(self.client, VLLMServerClient) else None
+        self.starts_in_sync = self.mode == "colocate"
+        """A colocated engine is built from the trainer's checkpoint; a server may hold any weights, so it gets the
+        trainer's before its first generation."""
 
     @staticmethod
     def _make_llm(model_name_or_path: str, args, process_index: int):

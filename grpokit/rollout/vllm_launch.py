@@ -68,6 +68,9 @@ def server_command(opts: ServeOptions) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    # vLLM's CPU build reserves --gpu-memory-utilization (0.92) of the machine's memory unless told a KV-cache size:
+    # 1 GiB holds the contexts RL on a CPU samples (GPU builds ignore it)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     root = str(Path(__file__).resolve().parents[2])  # the worker extension is imported from here
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return argv, env

@@ -229,5 +229,12 @@ class VLLMServerClient:
                           doing=f"unloading adapter {previous!r}")
         self.reset_prefix_cache()
 
+    def drop_adapter(self) -> None:
+        """Unload the adapter generation named (if any); generation names the base model again."""
+        if self.adapter is not None:
+            previous, self.adapter = self.adapter, None
+            self._request("POST", "/v1/unload_lora_adapter", {"lora_name": previous},
+                          doing=f"unloading adapter {previous!r}")
+
     def reset_prefix_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache", doing="resetting the prefix cache")

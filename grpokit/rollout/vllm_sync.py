@@ -20,6 +20,8 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -48,6 +50,36 @@ def adapter_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
+@contextmanager
+def engine_weights(model: torch.nn.Module, fold_adapters: bool = True) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The model's weights under the names of the plain base model, read once inside the ``with`` block. A PEFT
+    model's LoRA layers give ``W + ΔW`` computed one layer at a time, in the base weight's dtype, without touching
+    the model: merging into a bf16/fp16 base and unmerging after would round it twice at every sync, and the
+    base would drift (tests/rollout/test_transformers_backend.py measures that drift). ``fold_adapters=False``: the
+    base weights alone (for an engine that runs the adapter itself)."""
+    yield _engine_pairs(model, fold_adapters)
+
+
+def _engine_pairs(model: torch.nn.Module, fold_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    if not (hasattr(model, "merge_adapter") and getattr(model, "peft_config", None)):
+        for name, tensor in model.state_dict().items():
+            yield name, tensor.detach()
+        return
+    prefix = "base_model.model."
+    layers = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name or ".original_module." in name:
+            continue  # adapters are folded in below; the trained copy of a modules_to_save layer is used
+        layer = layers.get(name.removesuffix(".base_layer.weight")) if name.endswith(".base_layer.weight") else None
+        tensor = tensor.detach()
+        if fold_adapters and layer is not None and not layer.merged:
+            adapters = [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
+            if adapters:
+                delta = sum(layer.get_delta_weight(a).float() for a in adapters)
+                tensor = (tensor.float() + delta).to(tensor.dtype)
+        yield name.removeprefix(prefix).replace(".base_layer", "").replace(".modules_to_save.default", ""), tensor
+
+
 class WeightSync:
     """Pushes a policy's weights to one vLLM server (see the module docstring); ``last`` is the latest sync's
     :class:`SyncReport`."""
@@ -58,6 +90,7 @@ class WeightSync:
         self.last: SyncReport | None = None
         self._dir = Path(tempfile.mkdtemp(prefix=f"grpokit-vllm-{os.getpid()}-", dir=shared_memory_dir()))
         self._adapter_dir: Path | None = None
+        self._base_pushed = False
         self.close = weakref.finalize(self, shutil.rmtree, self._dir, True)
         """Remove the sync files (at the latest when this object goes, or at exit)."""
 
@@ -73,29 +106,31 @@ class WeightSync:
         return "adapter"
 
     def push(self, model: torch.nn.Module, client: VLLMServerClient) -> SyncReport:
+        """Give the server ``model``'s weights. The adapter alone goes after the base weights went once (the server
+        may hold another run's, or a full sync's)."""
         start = time.perf_counter()
         self.version += 1
         if self.kind(model, client) == "adapter":
-            size = self._push_adapter(model, client)
-            kind = "adapter"
+            size, kind = 0, "adapter"
+            if not self._base_pushed:
+                size, kind = self._push_full(model, client, fold_adapters=False), "base+adapter"
+                self._base_pushed = True
+            size += self._push_adapter(model, client)
         else:
-            size = self._push_full(model, client)
-            kind = "full"
+            size, kind = self._push_full(model, client), "full"
+            self._base_pushed = False  # the server's base now has the adapter folded in
+            client.drop_adapter()  # so no adapter runs on top of it
         self.last = SyncReport(kind, size, time.perf_counter() - start)
         return self.last
 
-    def _push_full(self, model: torch.nn.Module, client: VLLMServerClient) -> int:
+    def _push_full(self, model: torch.nn.Module, client: VLLMServerClient, fold_adapters: bool = True) -> int:
         from safetensors.torch import save_file
 
-        from .vllm_backend import engine_weights
-
         tensors, seen = {}, set()
-        with engine_weights(model) as pairs:
-            for name, t in pairs:
-                if t.data_ptr() in seen:  # a tied weight (lm_head = embed_tokens): the engine ties it too
-                    continue
+        with engine_weights(model, fold_adapters) as pairs:
+            for name, t in pairs:  # a tied weight (lm_head = embed_tokens) goes under both names, as a copy
+                tensors[name] = t.detach().clone() if t.data_ptr() in seen else t.detach().contiguous()
                 seen.add(t.data_ptr())
-                tensors[name] = t.detach().contiguous()
         path = self._dir / f"weights-{self.version}.safetensors"
         tmp = path.with_suffix(".tmp")
         try:
