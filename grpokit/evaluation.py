@@ -82,9 +82,9 @@ def evaluate(
         if not weights.lockstep:  # the LoRA adapter merged once for every batch, not once per batch
             stack.enter_context(rollout.generation_batch(weights.model))
 
-        def generate(ids, mask, max_new_tokens=None, **images):  # images: a batch with images only
+        def generate(prompts, max_new_tokens=None):
             p = params if max_new_tokens is None else dataclasses.replace(params, max_new_tokens=max_new_tokens)
-            return rollout.generate(weights.model, ids, mask, p, **images)
+            return rollout.generate(weights.model, prompts.ids, prompts.mask, p, **prompts.backend_kwargs())
 
         for s in range(0, len(rows), batch_size):
             out = sample_and_score(rows[s:s + batch_size], tokenizer, generate, reward_funcs,

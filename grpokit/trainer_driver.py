@@ -14,7 +14,7 @@ from .bounds.watchdog import stage
 from .forward.logprobs import completion_logps
 from .forward.sharding import full_weights, sharding_kind, weights_for_generation
 from .moe import recorded_forward
-from .rollout.base import Generation, SamplingParams
+from .rollout.base import Generation, PromptBatch, SamplingParams
 
 
 def sampling_params(args) -> SamplingParams:
@@ -75,12 +75,10 @@ class TrainerDriver:
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
     # -- sampling --------------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 max_new_tokens: int | None = None, **images) -> Generation:
+    def generate(self, prompts: PromptBatch, max_new_tokens: int | None = None) -> Generation:
         """Sample one completion per row with the current policy: an engine with its own copy of the weights (vLLM)
         gets them pushed first when they changed; otherwise the trainer's model generates (sharded weights gathered
-        as ``ds3_gather_for_generation`` says). ``images`` (``vision=``, ``images=``: a batch with images only) go to
-        the backend as they are."""
+        as ``ds3_gather_for_generation`` says)."""
         t = self.trainer
         wrapped, unwrapped = self._wrapped(), self.policy()
         params = self._params(max_new_tokens)
@@ -89,17 +87,17 @@ class TrainerDriver:
                 t.rollout.sync_weights(unwrapped, step=t.state.global_step)
             self.synced_step = t.state.global_step
         if self.holds_weights:
-            return t.rollout.generate(unwrapped, prompt_ids, prompt_mask, params, **images)
+            return t.rollout.generate(unwrapped, prompts.ids, prompts.mask, params, **prompts.backend_kwargs())
         with weights_for_generation(wrapped, unwrapped, gather=t.args.ds3_gather_for_generation) as weights:
             params.lockstep = weights.lockstep
-            return t.rollout.generate(weights.model, prompt_ids, prompt_mask, params, **images)
+            return t.rollout.generate(weights.model, prompts.ids, prompts.mask, params, **prompts.backend_kwargs())
 
-    def generate_with(self, model: torch.nn.Module | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      max_new_tokens: int | None = None, **images) -> Generation:
+    def generate_with(self, model: torch.nn.Module | None, prompts: PromptBatch,
+                      max_new_tokens: int | None = None) -> Generation:
         """Sample with ``model`` (the producer's copy; None: an engine holding its own weights) and the run's
         settings."""
-        return self.trainer.rollout.generate(model if model is not None else self.policy(), prompt_ids, prompt_mask,
-                                             self._params(max_new_tokens), **images)
+        return self.trainer.rollout.generate(model if model is not None else self.policy(), prompts.ids,
+                                             prompts.mask, self._params(max_new_tokens), **prompts.backend_kwargs())
 
     def sampler_setup(self) -> tuple:
         """The rollout backend and the run's sampling settings, for a rollout worker process."""

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..rollout.base import Generation
+from ..rollout.base import Generation, PromptBatch
 
 
 class SamplingDriver(Protocol):
@@ -39,11 +39,9 @@ class SamplingDriver(Protocol):
         ...
 
     # -- the sampling half (any thread) ------------------------------------------------------------------------------
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 max_new_tokens: int | None = None, **images: Any) -> Generation:
-        """One completion per row, sampled with the run's sampling settings (``max_new_tokens`` overrides the
-        completion budget: the tool loop's later turns). ``images``: for a batch with images only, ``vision`` (the
-        rows' :class:`grpokit.vision.VisionInputs`) and ``images`` (per row, its PIL images), for the backend."""
+    def generate(self, prompts: PromptBatch, max_new_tokens: int | None = None) -> Generation:
+        """One completion per row of ``prompts``, sampled with the run's sampling settings (``max_new_tokens``
+        overrides the completion budget: the tool loop's later turns)."""
         ...
 
     def generation_batch(self) -> AbstractContextManager:
@@ -132,8 +130,8 @@ class LearnerDriver(RolloutDriver, Protocol):
         """Give an engine holding its own weights the current ones."""
         ...
 
-    def generate_with(self, model: torch.nn.Module | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      max_new_tokens: int | None = None, **images: Any) -> Generation:
+    def generate_with(self, model: torch.nn.Module | None, prompts: PromptBatch,
+                      max_new_tokens: int | None = None) -> Generation:
         """Sample with ``model`` (the producer's copy; None: an engine holding its own weights) and the run's
         settings."""
         ...

@@ -44,7 +44,7 @@ import torch
 from ..bounds.watchdog import stage
 from ..forward.logprobs import completion_logps
 from ..moe import find_routers, recorded_forward
-from ..rollout.base import Generation
+from ..rollout.base import Generation, PromptBatch
 from ..rollout.partial_decode import Continued, continue_rows
 from .driver import LearnerDriver
 from .partial import PartialWeights, check_partial
@@ -233,9 +233,8 @@ class SamplerDriver:
     def version(self) -> int:
         return self.learner.version
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 max_new_tokens: int | None = None, **images) -> Generation:
-        return self.learner.generate_with(self.sampler, prompt_ids, prompt_mask, max_new_tokens, **images)
+    def generate(self, prompts: PromptBatch, max_new_tokens: int | None = None) -> Generation:
+        return self.learner.generate_with(self.sampler, prompts, max_new_tokens)
 
     def generation_batch(self):
         return contextlib.nullcontext()

@@ -15,7 +15,7 @@ from ..bounds.watchdog import stage
 from ..data import is_conversational, prompt_text, tokenize_prompts
 from ..moe.routers import unrecorded_index
 from ..rewards.scoring import score_completions
-from ..rollout.base import Generation
+from ..rollout.base import Generation, PromptBatch
 from ..vision.detection import is_processor
 from ..vision.encoding import encode_batch, tokenizer_of
 from ..vision.inputs import VisionInputs
@@ -156,10 +156,10 @@ class PreparedPrompts:
             return self.prompts
         return [place_images(p, imgs) if is_conversational(p) else p for p, imgs in zip(self.prompts, self.images)]
 
-    def generation_kwargs(self) -> dict:
-        """What a generation call gets besides the ids: the image tensors and images, only for a batch with images
-        (backends without image support, and test fakes, never see them otherwise)."""
-        return {} if self.vision is None else {"vision": self.vision, "images": self.images}
+    @property
+    def batch(self) -> PromptBatch:
+        """What a generation call gets: the ids and mask, and the image tensors and images of a batch with images."""
+        return PromptBatch(self.ids, self.mask, self.vision, self.images)
 
 
 def prepare_prompts(rows: list[dict], tokenizer, *, chat_template_kwargs: dict | None = None,
@@ -232,10 +232,10 @@ def sample_and_score(
     bounds: CallBounds | None = None,
     dtype: torch.dtype | None = None,
 ) -> ScoredSamples:
-    """One completion per row, scored: :func:`prepare_prompts`, ``generate(prompt_ids, prompt_mask,
-    max_new_tokens=None)``, then :func:`score_generation`. A batch with images (a vision-language model's processor
-    as ``tokenizer``) also passes ``vision=`` (the image tensors, floating-point values in ``dtype``) and ``images=``
-    to ``generate``, every turn.
+    """One completion per row, scored: :func:`prepare_prompts`, ``generate(prompts, max_new_tokens=None)`` (a
+    :class:`grpokit.rollout.base.PromptBatch`: with a vision-language model's processor as ``tokenizer``, a batch
+    with images carries the image tensors, floating-point values in ``dtype``, and the images, every turn), then
+    :func:`score_generation`.
 
     With ``multiturn`` (a :class:`grpokit.tools.MultiTurn`; ``limits`` its :class:`grpokit.tools.TurnLimits`) every
     row first gets its environment (reset with the row) and its tools in the prompt, and replies that call tools
@@ -263,11 +263,10 @@ def sample_and_score(
     else:
         prepared = prepare_prompts(rows, tokenizer, **prompt_args)
         with stage("generation"):
-            generation = generate(prepared.ids, prepared.mask, **prepared.generation_kwargs())
+            generation = generate(prepared.batch)
     calls = failures = None
     if session is not None and multiturn.has_tools:
-        turns = multiturn.loop(generate, prepared.ids, prepared.mask, generation, session, tokenizer, limits, bounds,
-                               incidents, vision=prepared.vision, images=prepared.images)
+        turns = multiturn.loop(generate, prepared.batch, generation, session, tokenizer, limits, bounds, incidents)
         generation, calls, failures = turns.generation, turns.calls, turns.failures
     scored = score_generation(rows, prepared, generation, tokenizer, reward_funcs, reward_processing_classes,
                               reward_kwargs=reward_kwargs, bounds=bounds, incidents=incidents)

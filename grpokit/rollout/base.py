@@ -33,6 +33,24 @@ class SamplingParams:
 
 
 @dataclass
+class PromptBatch:
+    """The prompts of one generation call, as every sampling path hands them on (the pipeline, the drivers, the
+    tool loop, a rollout worker): left-padded ``ids`` (N, P) and ``mask``, and for a vision-language model's batch
+    with images ``vision`` (the rows' :class:`grpokit.vision.VisionInputs`) and ``images`` (per row, its PIL
+    images). A backend gets them as its arguments (:meth:`backend_kwargs`)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    vision: Any = None
+    images: list[list] | None = None
+
+    def backend_kwargs(self) -> dict[str, Any]:
+        """What a backend's ``generate`` gets besides the ids and mask: the image tensors and images, only for a
+        batch with images (backends without image support, and test fakes, never see them otherwise)."""
+        return {} if self.vision is None else {"vision": self.vision, "images": self.images}
+
+
+@dataclass
 class Generation:
     """What a backend returns for a batch of prompts (before scoring; see ``grpokit.batch.RolloutBatch`` for the
     scored batch the trainer trains on)."""

@@ -21,7 +21,7 @@ import torch
 
 from ..bounds.user_calls import CallBounds, Incidents
 from ..bounds.watchdog import stage
-from ..rollout.base import Generation
+from ..rollout.base import Generation, PromptBatch
 from ..vision.encoding import tokenizer_of
 from .execution import ToolResult, run_calls, tool_message
 from .parsing import ParsedTurn, parse_turn
@@ -65,9 +65,8 @@ def _parse(tokens: list[int], tokenizer, style: str, eos_ids: set[int]) -> tuple
 
 
 def run_tool_loop(
-    generate: Callable[[torch.Tensor, torch.Tensor, int], Generation],
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
+    generate: Callable[[PromptBatch, int], Generation],
+    prompts: PromptBatch,
     first: Generation,
     tokenizer,
     tools_per_row: list[dict[str, Callable]],
@@ -80,14 +79,11 @@ def run_tool_loop(
     bounds: CallBounds | None = None,
     incidents: Incidents | None = None,
     environments: list | None = None,
-    *,
-    vision=None,
-    images: list | None = None,
 ) -> ToolRollouts:
-    """Run the loop on ``first`` (the first replies). ``generate(ids, mask, max_new_tokens)`` samples one reply per
-    row of left-padded prompts; with ``vision`` (the prompts' image tensors, :class:`grpokit.vision.VisionInputs`)
-    it also gets the continuing rows' ``vision=`` (their token tensors extended over the turns so far) and
-    ``images=``. Images returned by tools are not supported (tool results are text). ``bounds`` (default:
+    """Run the loop on ``first`` (the first replies to ``prompts``). ``generate(prompts, max_new_tokens)`` samples
+    one reply per row of a :class:`grpokit.rollout.base.PromptBatch`; a batch with images passes the continuing rows'
+    image tensors on (their token tensors extended over the turns so far) with their images. Images returned by
+    tools are not supported (tool results are text). ``bounds`` (default:
     :class:`grpokit.bounds.user_calls.CallBounds`' defaults) bound each call and result; timeouts and cut results are
     counted into ``incidents``. ``environments``: each row's environment instance (calls on one are refused while
     an abandoned one runs)."""
@@ -96,7 +92,7 @@ def run_tool_loop(
     eos = set(eos_ids)
     turns = ToolTurnTokens(tokenizer, eos_ids, chat_template_kwargs)
     rollouts = []
-    for (prompt, _), (tokens, lp) in zip(_valid(prompt_ids, prompt_mask, None),
+    for (prompt, _), (tokens, lp) in zip(_valid(prompts.ids, prompts.mask, None),
                                          _valid(first.completion_ids, first.completion_mask, first.sampler_logps)):
         parsed, calls = _parse(tokens, tokenizer, style, eos)
         rollouts.append(_Rollout(prompt, tokens, [1] * len(tokens), [parsed.message()], parsed if calls else None, lp))
@@ -125,7 +121,7 @@ def run_tool_loop(
         rounds += 1
         if continuing:
             _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, max_completion_length,
-                      _turn_images(vision, images, rollouts, continuing, suffixes))
+                      _turn_images(prompts, rollouts, continuing, suffixes))
     generation = _pack(rollouts, tokenizer_of(tokenizer).pad_token_id, eos)
     generation.messages = [r.messages for r in rollouts]
     return ToolRollouts(generation=generation, messages=generation.messages, calls=n_calls, failures=n_failures)
@@ -142,13 +138,13 @@ def _count(results: list[ToolResult], incidents: Incidents) -> None:
             incidents.count("tools/images_dropped_total", res.images)
 
 
-def _turn_images(vision, images, rollouts, continuing, suffixes) -> dict:
+def _turn_images(prompts: PromptBatch, rollouts, continuing, suffixes) -> dict:
     """The continuing rows' image tensors and images for their next turn (nothing without images)."""
-    if vision is None:
+    if prompts.vision is None:
         return {}
     grown = [len(rollouts[i].tokens) + len(suffixes[i][0]) for i in continuing]
-    return {"vision": vision.select(continuing).extend_tokens(grown),
-            "images": [images[i] for i in continuing] if images is not None else None}
+    return {"vision": prompts.vision.select(continuing).extend_tokens(grown),
+            "images": [prompts.images[i] for i in continuing] if prompts.images is not None else None}
 
 
 def _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, max_completion_length,
@@ -163,7 +159,7 @@ def _continue(generate, rollouts, continuing, suffixes, tokenizer, style, eos, m
         ids[j, width - len(p):] = torch.tensor(p)
         mask[j, width - len(p):] = 1
     with stage("generation", turn="after tool results"):
-        out = generate(ids, mask, max(budgets), **image_kwargs)
+        out = generate(PromptBatch(ids, mask, **image_kwargs), max(budgets))
     for j, (tokens, lp) in enumerate(_valid(out.completion_ids, out.completion_mask, out.sampler_logps)):
         i = continuing[j]
         r = rollouts[i]

@@ -121,15 +121,13 @@ class MultiTurn:
         return PreparedRows(rows=rows, environments=envs, tools_per_row=tools_per_row,
                             tool_dicts=[{t.__name__: t for t in tools} for tools in tools_per_row])
 
-    def loop(self, generate, prompt_ids, prompt_mask, first, prepared: PreparedRows, tokenizer,
-             limits: TurnLimits, bounds: CallBounds | None = None, incidents: Incidents | None = None, *,
-             vision=None, images: list | None = None) -> ToolRollouts:
-        """The tool loop from the first replies ``first`` (see :func:`grpokit.tools.loop.run_tool_loop`); ``vision``
-        / ``images``: the prompts' image tensors and images (a vision-language model), given to every later turn."""
-        return run_tool_loop(generate, prompt_ids, prompt_mask, first, tokenizer, prepared.tool_dicts, self.style,
-                             limits.eos_ids, self.max_iterations, limits.max_completion_length, limits.max_model_len,
-                             self.chat_template_kwargs, bounds, incidents, prepared.environments, vision=vision,
-                             images=images)
+    def loop(self, generate, prompts, first, prepared: PreparedRows, tokenizer, limits: TurnLimits,
+             bounds: CallBounds | None = None, incidents: Incidents | None = None) -> ToolRollouts:
+        """The tool loop from the first replies ``first`` to ``prompts`` (a :class:`grpokit.rollout.base.PromptBatch`,
+        its images given to every later turn; see :func:`grpokit.tools.loop.run_tool_loop`)."""
+        return run_tool_loop(generate, prompts, first, tokenizer, prepared.tool_dicts, self.style, limits.eos_ids,
+                             self.max_iterations, limits.max_completion_length, limits.max_model_len,
+                             self.chat_template_kwargs, bounds, incidents, prepared.environments)
 
 
 def multiturn_parts(tools, environment_factory, args):

@@ -39,9 +39,9 @@ class FakeDriver:
     def version(self) -> int:
         return 0
 
-    def generate(self, prompt_ids, prompt_mask, max_new_tokens=None, **images) -> Generation:
-        self.calls.append(prompt_ids.shape[0])
-        texts = self.tok.batch_decode(prompt_ids, skip_special_tokens=True)
+    def generate(self, prompts, max_new_tokens=None) -> Generation:
+        self.calls.append(prompts.ids.shape[0])
+        texts = self.tok.batch_decode(prompts.ids, skip_special_tokens=True)
         rows = []
         for i, text in enumerate(texts):
             reply = "x" if "same" in text else "ab" * (1 + i % self.group)

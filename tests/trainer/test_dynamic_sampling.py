@@ -223,9 +223,9 @@ def test_first_round_of_later_batches_adds_what_the_keep_rate_says(tmp_path):
             keep_rates.append(group_filter.last_keep_rate)
             return first_round(*a, **k)
 
-        def counted(ids, mask, max_new_tokens=None):
-            calls.append(ids.shape[0])
-            return generate(ids, mask, max_new_tokens)
+        def counted(prompts, max_new_tokens=None):
+            calls.append(prompts.ids.shape[0])
+            return generate(prompts, max_new_tokens)
 
         driver.generate, group_filter.first_round = counted, sized
         return trainer

@@ -67,14 +67,14 @@ class WorkerDriver:
         self.trainer_state = trainer_state
         self.version = 0
 
-    def generate(self, prompt_ids, prompt_mask, max_new_tokens=None, **images):
+    def generate(self, prompts, max_new_tokens=None):
         import copy
 
         params = self.params
         if max_new_tokens is not None:
             params = copy.copy(params)
             params.max_new_tokens = max_new_tokens
-        return self.backend.generate(self.sampler, prompt_ids, prompt_mask, params, **images)
+        return self.backend.generate(self.sampler, prompts.ids, prompts.mask, params, **prompts.backend_kwargs())
 
     def generation_batch(self):
         import contextlib
