@@ -111,6 +111,18 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         pass
 
 
+def _stop_with_the_parent() -> None:
+    """In the server's process, before vLLM starts: the kernel sends it SIGTERM when the thread that started it
+    ends (Linux), so even a SIGKILL of the trainer leaves no server behind (vLLM's server stops its engine on
+    SIGTERM); elsewhere, nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _root_cause(log: Path) -> str:
     """The line of a failed server's log that says why: its last error other than vLLM's "see root cause above"."""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
@@ -129,14 +141,15 @@ class RunningServer:
 def running_server(opts: ServeOptions, *, start_timeout_s: float = 600.0, log: Path | None = None,
                    show_output: bool = False) -> Iterator[RunningServer]:
     """Start the server, wait until it answers, yield it; stop it (and everything it started) on the way out, an
-    exception or a signal included. ``log``: a file for its output; ``show_output``: this process's stdout instead;
-    neither: discarded."""
+    exception included; a signal that ends this process ends the server too (``PR_SET_PDEATHSIG``). ``log``: a
+    file for its output; ``show_output``: this process's stdout instead; neither: discarded."""
     if port_in_use(opts.host, opts.port):
         raise RuntimeError(f"port {opts.port} on {opts.host} is in use: pick another with --port (vllm_server_port)")
     argv, env = server_command(opts)
     url = f"http://{opts.host}:{opts.port}"
     out = open(log, "ab") if log is not None else (None if show_output else subprocess.DEVNULL)  # noqa: SIM115
-    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_stop_with_the_parent)
     try:
         deadline = time.monotonic() + start_timeout_s
         while not _healthy(url):

@@ -186,3 +186,54 @@ def test_the_server_command_asks_for_what_the_client_needs():
                  "--enable-lora --max-lora-rank 32", "--gpu-memory-utilization 0.2", "--seed 3"):
         assert flag in text
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+FAKE_SERVER = '''
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+'''
+
+PARENT = '''
+import sys, time
+from grpokit.rollout.vllm_launch import ServeOptions, free_port, running_server
+with running_server(ServeOptions(model="/m", port=free_port(), python=sys.executable), start_timeout_s=120) as s:
+    print(s.process.pid, flush=True)
+    time.sleep(600)
+'''
+
+
+def test_a_killed_trainer_leaves_no_server_behind(tmp_path):
+    """SIGKILL ends the process that started the server without any ``finally``: the kernel ends the server
+    (PR_SET_PDEATHSIG). A stand-in answers as vLLM's server module would (``-m vllm.entrypoints.openai.api_server``)."""
+    import os
+    import signal
+    import subprocess
+
+    import psutil
+
+    module = tmp_path / "vllm" / "entrypoints" / "openai"
+    module.mkdir(parents=True)
+    (module / "api_server.py").write_text(FAKE_SERVER)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=env, stdout=subprocess.PIPE, text=True)
+    server = None
+    try:
+        server = psutil.Process(int(parent.stdout.readline()))
+        assert server.is_running()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        server.wait(timeout=60)  # psutil.TimeoutExpired if it outlived its parent
+    finally:
+        parent.kill()
+        if server is not None and server.is_running():  # the test failed: leave nothing behind either way
+            server.kill()
