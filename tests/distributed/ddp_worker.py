@@ -194,7 +194,7 @@ def run(out_dir: str, per_device: int, ga: int, loss_types: list[str], fail_rank
     if fake_server:
         from grpokit.rollout.vllm_backend import VLLMRollout
 
-        def make_client(args):
+        def make_client(args, model_name_or_path):
             servers.append(FakeServer())
             return servers[-1]
 

@@ -189,7 +189,7 @@ def test_rollout_replay_routes_the_old_pass_alike(tmp_path):
 def test_rollout_replay_with_vllm_is_refused_in_one_line(tmp_path, monkeypatch):
     from grpokit.rollout.vllm_backend import VLLMRollout
 
-    monkeypatch.setattr(VLLMRollout, "_make_client", staticmethod(lambda args: object()))
+    monkeypatch.setattr(VLLMRollout, "_make_client", staticmethod(lambda args, model_name_or_path: object()))
     tok = tiny_tokenizer()
     with pytest.raises(ValueError, match=r"^routing_replay='rollout' is not allowed with use_vllm=True \(grpokit does "
                                          r"not ask vLLM for the experts it routes to yet\): .*use routing_replay='old'$"):
