@@ -80,14 +80,14 @@ def test_prepared_prompts_give_rewards_the_images_and_generation_the_tensors():
     _, processor = shared_tiny_vlm("qwen2_vl")
     prepared = prepare_prompts(_rows(), processor, dtype=torch.float64)
     assert prepared.vision.tensors["pixel_values"].dtype == torch.float64
-    assert set(prepared.generation_kwargs()) == {"vision", "images"}
+    assert set(prepared.batch.backend_kwargs()) == {"vision", "images"}
     placed = prepared.reward_prompts[2][0]["content"]
     assert placed[0]["type"] == "image" and placed[0]["image"] is BLUE and placed[1] == {"type": "text",
                                                                                         "text": "What colour?"}
     assert prepared.reward_prompts[4] == [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     assert prepared.prompts[0] is Q  # the dataset's prompts are left as they are
     text_only = prepare_prompts(_rows()[4:], processor)  # a VLM's text-only batch: a plain text batch
-    assert text_only.vision is None and text_only.images is None and text_only.generation_kwargs() == {}
+    assert text_only.vision is None and text_only.images is None and text_only.batch.backend_kwargs() == {}
     assert text_only.reward_prompts == text_only.prompts
 
 
