@@ -80,6 +80,15 @@ def _engine_pairs(model: torch.nn.Module, fold_adapters: bool = True) -> Iterato
         yield name.removeprefix(prefix).replace(".base_layer", "").replace(".modules_to_save.default", ""), tensor
 
 
+def remove_dead_runs_files(root: Path) -> None:
+    """Sync directories of processes that no longer exist (killed before they could remove them): shared memory is
+    the machine's memory until removed."""
+    for stale in root.glob("grpokit-vllm-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and Path("/proc").is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 class WeightSync:
     """Pushes a policy's weights to one vLLM server (see the module docstring); ``last`` is the latest sync's
     :class:`SyncReport`."""
@@ -88,6 +97,7 @@ class WeightSync:
         self.mode = mode
         self.version = 0
         self.last: SyncReport | None = None
+        remove_dead_runs_files(shared_memory_dir())
         self._dir = Path(tempfile.mkdtemp(prefix=f"grpokit-vllm-{os.getpid()}-", dir=shared_memory_dir()))
         self._adapter_dir: Path | None = None
         self._base_pushed = False

@@ -5,6 +5,7 @@ answering is an error within the bound, and the launcher's own failures are line
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -237,3 +238,14 @@ def test_a_killed_trainer_leaves_no_server_behind(tmp_path):
         parent.kill()
         if server is not None and server.is_running():  # the test failed: leave nothing behind either way
             server.kill()
+
+
+def test_sync_files_of_a_killed_run_are_removed_and_a_live_runs_kept(tmp_path):
+    from grpokit.rollout.vllm_sync import remove_dead_runs_files
+
+    dead, live = tmp_path / "grpokit-vllm-999999999-abc", tmp_path / f"grpokit-vllm-{os.getpid()}-def"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "weights-1.safetensors").write_bytes(b"x")
+    remove_dead_runs_files(tmp_path)
+    assert not dead.exists() and live.exists()

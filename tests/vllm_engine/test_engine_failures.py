@@ -61,3 +61,14 @@ def test_a_server_stopped_then_killed_mid_sync_ends_the_run_in_one_line(tmp_path
             trainer.rollout.sync_weights(trainer.model, step=2)
     assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_model_the_engine_cannot_load_is_one_line_from_its_own_log(tmp_path):
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"]}')
+    with pytest.raises(RuntimeError) as e:
+        with serve(tmp_path, model=str(tmp_path / "not-a-model")):
+            pass
+    message = str(e.value)
+    assert message.startswith("the vLLM server (") and "exited with status" in message and "\n" not in message
+    assert "Error" in message.split("before answering: ", 1)[1]  # vLLM's own cause, not its "see above"
