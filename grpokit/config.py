@@ -161,7 +161,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default="auto", metadata=_meta("A LoRA policy's weight sync to vLLM's own server (grpokit vllm-serve): "
                                        "'adapter' (the adapter alone, loaded by the server as a runtime adapter), "
                                        "'full' (every weight, the adapter folded in) or 'auto' (the adapter alone "
-                                       "where the server has LoRA on and vLLM can run the adapter). grpokit's own.")
+                                       "where the server has LoRA on, vLLM can run the adapter and the engine is not "
+                                       "a CPU's). grpokit's own.")
     )
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_meta("GPU memory fraction for vLLM."))
     vllm_max_model_length: int | None = field(default=None, metadata=_meta("vLLM max_model_len."))

@@ -75,6 +75,8 @@ class VLLMServerClient:
         """The runtime adapter generation names, once one was loaded."""
         self.lora_enabled = False
         self.max_lora_rank = 0
+        self.device_type = ""
+        """The engine's device (``"cpu"``, ``"cuda"``, ...), from its configuration."""
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: Any = None, *, doing: str, timeout: float | None = None) -> Any:
@@ -137,6 +139,9 @@ class VLLMServerClient:
         if mode not in (None, "processed_logprobs"):
             raise VLLMServerError(f"vLLM server at {self.base_url} reports log-probs as {mode!r}: the mismatch "
                                   f"correction compares the sampler's own ('processed_logprobs'); {hint}")
+        device = info.get("device_config") or {}
+        self.device_type = str(device.get("device_type") or device.get("device") or "") if isinstance(device, dict) \
+            else ""
         lora_config = info.get("lora_config")
         self.lora_enabled = isinstance(lora_config, dict)
         self.max_lora_rank = int(lora_config.get("max_lora_rank") or 0) if self.lora_enabled else 0

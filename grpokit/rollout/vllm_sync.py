@@ -8,9 +8,11 @@
   its version; generation names that adapter from then on, and the one before is unloaded.
 
 ``vllm_lora_sync`` chooses: ``"auto"`` (the adapter alone where the policy is a LoRA model vLLM can run as an
-adapter and the server has LoRA on, else everything), ``"full"`` or ``"adapter"`` (refused in one line where it
-cannot be). The files are written whole before the engine is told about them (a temporary name, then a rename) and
-removed once it has read them. The engine must run on the trainer's machine (it reads the trainer's shared memory).
+adapter, the server has LoRA on and it is not a CPU engine, else everything), ``"full"`` or ``"adapter"`` (refused in
+one line where it cannot be). On a CPU, vLLM's LoRA path generates several times slower than merged weights, which
+costs more than moving the whole model at every step (benchmarks/RESULTS.md, the demo through vLLM). The files are
+written whole before the engine is told about them (a temporary name, then a rename) and removed once it has read
+them. The engine must run on the trainer's machine (it reads the trainer's shared memory).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class WeightSync:
     def kind(self, model: torch.nn.Module, client: VLLMServerClient) -> str:
         problem = adapter_problem(model)
         rank = getattr((getattr(model, "peft_config", None) or {}).get("default"), "r", 0)
-        fits = client.lora_enabled and rank <= client.max_lora_rank
+        fits = client.lora_enabled and rank <= client.max_lora_rank and client.device_type != "cpu"
         if self.mode == "full" or (self.mode == "auto" and (problem or not fits)):
             return "full"
         if problem:

@@ -249,3 +249,19 @@ def test_sync_files_of_a_killed_run_are_removed_and_a_live_runs_kept(tmp_path):
         (d / "weights-1.safetensors").write_bytes(b"x")
     remove_dead_runs_files(tmp_path)
     assert not dead.exists() and live.exists()
+
+
+@pytest.mark.parametrize("device, expected", [("cuda", "adapter"), ("cpu", "full")])
+def test_auto_syncs_the_adapter_alone_except_to_a_cpu_engine(stand_in, device, expected):
+    from types import SimpleNamespace
+
+    from grpokit.rollout.vllm_sync import WeightSync
+
+    client = VLLMServerClient(stand_in(lora_config={"max_lora_rank": 16},
+                                       device_config={"device_type": device}).url, timeout=5)
+    client.check("/models/tiny")
+    lora = SimpleNamespace(peft_config={"default": SimpleNamespace(r=8, modules_to_save=None, use_dora=False,
+                                                                    peft_type="LORA")})
+    assert WeightSync("auto").kind(lora, client) == expected
+    assert WeightSync("adapter").kind(lora, client) == "adapter"  # asked for: the user's choice
+    assert WeightSync("auto").kind(SimpleNamespace(), client) == "full"  # no adapter

@@ -97,7 +97,8 @@ def test_a_skipped_sync_is_seen_by_the_same_check(engine, tmp_path, monkeypatch)
 def test_a_lora_policy_syncs_its_adapter_alone(engine, tmp_path, monkeypatch):
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM")
-    trainer, gaps, syncs, moved, trainable = train(engine, tmp_path, monkeypatch, peft_config=lora)
+    trainer, gaps, syncs, moved, trainable = train(engine, tmp_path, monkeypatch, peft_config=lora,
+                                                   vllm_lora_sync="adapter")
     assert [s.kind for s in syncs] == ["base+adapter", "adapter", "adapter"]  # the base once, then the adapter
     assert all(s.bytes < 5e6 for s in syncs[1:]), [s.bytes for s in syncs]  # megabytes, against 538 MB
     assert max(gaps) < TOLERANCE, gaps
