@@ -5,9 +5,11 @@ TRL's client. Which one answers is asked once, at the start (docs/vllm.md).
 
 vLLM samples with its own kernels, so its log-probs differ slightly from the trainer's: the backend returns them
 (``sampler_logps``) and the trainer applies the mismatch correction of docs/algorithms.md §5. After every optimizer
-step the trainer calls :meth:`VLLMRollout.sync_weights`, which gives the engine the current weights: all of them
-(LoRA folded in), or, to vLLM's server with ``vllm_lora_sync="adapter"`` (or ``"auto"`` and a LoRA policy), the
-adapter alone, loaded by the server as a runtime adapter.
+step the trainer calls :meth:`VLLMRollout.sync_weights`, which gives the engine the current weights through a file
+in shared memory that the engine's workers load (grpokit's worker extension, :mod:`grpokit.rollout.vllm_sync`): all
+of them (LoRA folded in), or, to vLLM's own server with ``vllm_lora_sync="adapter"`` (or ``"auto"``, a LoRA policy
+and a GPU engine), the adapter alone, loaded by the server as a runtime adapter. TRL's server gets them over NCCL
+through TRL's client.
 
 Both engines are optional: ``pip install grpokit[vllm]`` (and ``trl`` for TRL's server).
 """
@@ -21,7 +23,7 @@ import torch
 
 from ..bounds.process_group import distributed_initialized
 from .base import Generation, SamplingParams
-from .vllm_server import VLLMServerClient
+from .vllm_server import WORKER_EXTENSION, VLLMServerClient
 from .vllm_sync import WeightSync, engine_weights
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,32 @@ def pad_rollouts(
     return Generation(ids, mask, torch.tensor(truncated, dtype=torch.bool), lp)
 
 
+class ColocatedLoader:
+    """What :class:`grpokit.rollout.vllm_sync.WeightSync` needs of an engine, for a colocated ``vllm.LLM``: its workers
+    (in this process or in vLLM's own, whichever vLLM runs) load the weight file through grpokit's worker extension
+    (``LLM.collective_rpc``). Full weights only: a colocated engine runs no runtime adapters here."""
+
+    lora_enabled = False
+    max_lora_rank = 0
+    device_type = ""
+    adapter = None
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.step = 0
+
+    def load_weight_file(self, path: str, n_tensors: int) -> dict:
+        results = self.llm.collective_rpc("grpokit_load_weights", args=(path, str(n_tensors)))
+        if not results or any(not isinstance(r, dict) or r.get("tensors") != n_tensors for r in results):
+            raise RuntimeError(f"vLLM (colocated): loading the weights at training step {self.step} failed: the "
+                               f"workers answered {str(results)[:200]}")
+        self.llm.reset_prefix_cache()
+        return results[0]
+
+    def drop_adapter(self) -> None:
+        pass
+
+
 def place_image_features(features: dict | None, prompt_ids: list[int], image_token_id: int | None,
                          row: int = 0) -> dict | None:
     """Point the server's image features of one prompt at that prompt's runs of image tokens (the server reports
@@ -128,6 +156,8 @@ class VLLMRollout:
                 else None
             self.llm = None
         self.sync = WeightSync(args.vllm_lora_sync) if isinstance(self.client, VLLMServerClient) else None
+        if self.mode == "colocate" and hasattr(self.llm, "collective_rpc"):  # vLLM's LLM: its workers load a file
+            self.sync = WeightSync("full")
         self.starts_in_sync = self.mode == "colocate"
         """A colocated engine is built from the trainer's checkpoint; a server may hold any weights, so it gets the
         trainer's before its first generation."""
@@ -149,6 +179,7 @@ class VLLMRollout:
             seed=process_index // args.vllm_tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
             trust_remote_code=args.trust_remote_code,
+            worker_extension_cls=WORKER_EXTENSION,  # weight sync: every worker loads the trainer's weight file
         )
 
     @staticmethod
@@ -257,10 +288,13 @@ class VLLMRollout:
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module, step: int | None = None) -> None:
         """Give the engine ``model``'s weights (``step``: the training step they are from, named in errors)."""
-        if self.sync is not None:  # vLLM's own server: a file in shared memory, all weights or the adapter
+        if self.sync is not None:  # a file in shared memory: all weights, or (vLLM's own server) the adapter
+            if self.mode == "colocate":
+                self._wake()
+            target = self.client if self.mode == "server" else ColocatedLoader(self.llm)
             if step is not None:
-                self.client.step = step
-            report = self.sync.push(model, self.client)
+                target.step = step
+            report = self.sync.push(model, target)
             logger.debug("vLLM weight sync (%s): %d bytes in %.2f s", report.kind, report.bytes, report.seconds)
             return
         if self.mode == "colocate":

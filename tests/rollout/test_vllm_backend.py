@@ -225,3 +225,57 @@ def test_engine_weights_leave_a_bf16_base_as_it_was():
 def test_vespo_rejects_a_sequence_level_sampler_mode(tmp_path):
     with pytest.raises(ValueError, match="vespo"):
         args_for(tmp_path, loss_type="vespo", vllm_importance_sampling_mode="sequence_truncate")
+
+
+class RpcLLM(FakeLLM):
+    """vLLM 0.32's ``LLM`` as the colocated weight sync uses it: ``collective_rpc`` runs a method of the worker
+    extension on every worker (here one, holding its own copy of the model: grpokit's real
+    :class:`WeightFileLoader` mixed into a worker whose runner reloads weights by name), and no
+    ``llm_engine.model_executor.driver_worker`` (vLLM V1's multiprocess engine has none)."""
+
+    def __init__(self, tokenizer, engine_model):
+        super().__init__(tokenizer)
+        del self.llm_engine
+        from grpokit.rollout.vllm_worker import WeightFileLoader
+
+        def reload_weights(weights_iterator):
+            engine_model.load_state_dict(dict(weights_iterator), strict=False)
+            self.events.append("load")
+
+        class Worker(WeightFileLoader):
+            model_runner = SimpleNamespace(reload_weights=reload_weights, model=engine_model)
+
+        self.worker = Worker()
+
+    def collective_rpc(self, method, args=()):
+        return [getattr(self.worker, method)(*args)]
+
+
+def test_a_colocated_engine_loads_the_trainers_weights_through_its_workers(tmp_path):
+    from transformers import TrainerCallback
+
+    tok = tiny_tokenizer()
+    model, engine_copy = tiny_model(tok), tiny_model(tok)
+    initial = {k: v.clone() for k, v in engine_copy.state_dict().items()}
+    llm = RpcLLM(tok, engine_copy)
+    args = args_for(tmp_path)
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(8)]})
+    backend = VLLMRollout("unused", tok, args, llm=llm, sampling_params_cls=dict)
+    trainer = GRPOTrainer(model, lambda completions, **k: [float(len(c[0]["content"])) for c in completions],
+                          args=args, train_dataset=ds, processing_class=tok, rollout_backend=backend)
+    after_step_1 = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 1:
+                after_step_1.update({k: v.clone() for k, v in model.state_dict().items()})
+
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    assert llm.events == ["generate", "load", "reset", "generate"]  # synced before the second generation
+    assert backend.sync.last.kind == "full" and backend.sync.last.bytes > 0
+    engine = engine_copy.state_dict()
+    assert any(not torch.equal(engine[n], initial[n]) for n in engine)
+    for name, p in after_step_1.items():
+        torch.testing.assert_close(engine[name], p)  # every weight of the first update, through the file
+    assert not list(backend.sync._dir.iterdir())  # the weight file was removed once read
