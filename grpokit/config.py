@@ -24,6 +24,7 @@ from .algorithms.losses import LOSS_TYPES, config_params, loss_spec
 from .algorithms.losses._registry import check_bounds, param_type
 from .algorithms.settings import LossSettings
 from .bounds.user_calls import REWARD_TIMEOUT_ACTIONS
+from .rollout.precision import ROLLOUT_PRECISIONS
 from .validation import Checker, refusal, short_repr
 
 logger = logging.getLogger("grpokit")
@@ -39,7 +40,7 @@ CHOICE_FIELDS: dict[str, Any] = {
     "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS, "advantage_estimator": ADVANTAGE_ESTIMATORS,
     "vllm_mode": VLLM_MODES, "vllm_importance_sampling_mode": SAMPLER_CORRECTION_MODES,
     "vllm_lora_sync": VLLM_LORA_SYNC_MODES,
-    "routing_replay": ROUTING_REPLAY_MODES,
+    "routing_replay": ROUTING_REPLAY_MODES, "rollout_precision": ROLLOUT_PRECISIONS,
 }
 """Fields whose value is one of a few names; validation lists them (``scale_rewards`` also takes True/False;
 ``loss_type`` reads the loss registry at each check)."""
@@ -263,6 +264,13 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         default=0, metadata=_meta("Asynchronous rollouts: generate up to this many optimizer steps ahead of the learner "
                                   "with a copy of the weights (0: synchronous). TRL's async name.")
     )
+    rollout_precision: str = field(
+        default="auto", metadata=_meta(
+            "The precision completions are sampled in: 'auto' (the policy's own weights), 'float32', 'bf16' or 'int8' "
+            "(copies of the linear layers in it, int8 per output channel, made after every optimizer step; the "
+            "sampler's log-probs then go to the mismatch correction, vllm_importance_sampling_*). With use_vllm: the "
+            "engine's dtype, and 'int8' its 8-bit weights (vLLM's fp8_per_channel). grpokit's own.")
+    )
     rollout_workers: int = field(
         default=0, metadata=_meta("Rollout workers: generate and score in this many worker processes of their own, "
                                   "each with a copy of the policy, fed weights through shared memory after every "
@@ -485,6 +493,11 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                             when="with use_vllm=True")
         if self.overlong_buffer_length is not None:
             check.number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
+        if self.rollout_precision != "auto" and (self.use_transformers_continuous_batching
+                                                 or self.use_transformers_paged):
+            raise check.bad("rollout_precision", "transformers' continuous batching samples with the policy's own "
+                            "weights; use 'auto', or grpokit's own rollouts (use_transformers_continuous_batching=False)",
+                            when="with use_transformers_continuous_batching=True")
         check.boolean("partial_rollouts")
         if self.rollout_workers:
             self._validate_workers()
@@ -516,6 +529,8 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                     or self.use_transformers_paged, "False (grpokit's decode loop continues completions)"),
                    ("dynamic_sampling", self.dynamic_sampling, "False (not combined with partial rollouts yet)"),
                    ("routing_replay", self.routing_replay != "none", "'none'"),
+                   ("rollout_precision", self.rollout_precision != "auto", "'auto' (a continued completion's "
+                    "log-probs are the policy's own)"),
                    ("generation_kwargs", bool(extra), "none (the decode loop continues a completion with the run's "
                     "sampling settings only)")]
         for name, bad, allowed in refused:
@@ -622,7 +637,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                 f"vllm_importance_sampling_mode='icepop' needs both bounds (clip_min={lo!r}, clip_max={hi!r}): set "
                 "vllm_importance_sampling_clip_min and vllm_importance_sampling_clip_max (IcePop's band: 0.5 and 5.0)"
             )
-        if (loss_spec(self.loss_type).sampler_ratio == "fold" and self.use_vllm
+        if (loss_spec(self.loss_type).sampler_ratio == "fold" and (self.use_vllm or self.rollout_precision != "auto")
                 and self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.startswith("sequence")):
             raise check.bad("vllm_importance_sampling_mode", "a sequence-level ratio would be raised to the power of "
                             "the length inside its sequence weight; use 'token_truncate' or 'token_mask'",

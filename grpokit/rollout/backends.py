@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..vision.encoding import tokenizer_of
 from .transformers_backend import TransformersRollout
 
@@ -17,5 +19,13 @@ def default_rollout(model, processing_class, args):
         from .continuous_batching import ContinuousBatchingRollout
 
         return ContinuousBatchingRollout(processing_class, args.transformers_continuous_batching_config)
-    return TransformersRollout(tokenizer_of(processing_class))
+    precision = getattr(args, "rollout_precision", "auto")
+    device = next((p.device for p in model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+    if precision != "auto" and device is not None and device.type != "cpu":
+        from ..validation import refusal
+
+        raise refusal("rollout_precision", precision, "grpokit samples in another precision on a CPU; on an "
+                      "accelerator use 'auto', or use_vllm=True (the engine's own dtype and 8-bit weights)",
+                      when=f"with the policy on {device.type}")
+    return TransformersRollout(tokenizer_of(processing_class), rollout_precision=precision)
 

@@ -51,20 +51,23 @@ def decodes(model: torch.nn.Module | None, params: SamplingParams) -> bool:
                for layer in getattr(cache, "layers", [None]))
 
 
-def token_chooser(params: SamplingParams, sampler=None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                                                       torch.Tensor]:
+def token_chooser(params: SamplingParams, sampler=None, with_logps: bool = False) -> Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """``choose(sequences, logits, owner) -> tokens``: ``sequences`` and ``logits`` one row per decode state, ``owner``
     (N,) each row's state, one token per row. The repetition penalty (when set), then either ``sampler`` (a
     :class:`grpokit.rollout.sampling.InverseCDFSampler`: the warpers once per state, one draw per row) or the argmax
-    (greedy: every row of a state takes its argmax), as ``generate`` orders them."""
+    (greedy: every row of a state takes its argmax), as ``generate`` orders them. ``with_logps`` (a ``sampler``
+    only): ``(tokens, logps)``, each token's log-prob under the distribution it was drawn from."""
     processors = LogitsProcessorList()
     if params.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if with_logps and sampler is None:
+        raise ValueError("with_logps needs a sampler: greedy decoding has no sampling distribution to report")
 
-    def choose(sequences: torch.Tensor, logits: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    def choose(sequences: torch.Tensor, logits: torch.Tensor, owner: torch.Tensor):
         scores = processors(sequences, logits) if processors else logits
         if sampler is not None:
-            return sampler.draw(sequences, scores, owner)
+            return sampler.draw(sequences, scores, owner, with_logps=with_logps)
         return scores.argmax(-1)[owner]
 
     return choose
@@ -77,7 +80,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            min_new_tokens: int = 0, group: int = 1, share_prompt: bool = True, lean: bool = True,
            recorder=None, states: torch.Tensor | None = None, budget: torch.Tensor | None = None,
            logps: torch.Tensor | None = None, temperature: float = 1.0,
-           interrupt: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
+           interrupt: Callable[[torch.Tensor], bool] | None = None,
+           sampled_logps: torch.Tensor | None = None) -> torch.Tensor:
     """Completions (N, T ≤ ``max_new_tokens``) for left-padded prompts, padded with ``pad_id`` after each row's
     end-of-sequence token; ``group``: rows come as groups of that many identical prompts; ``share_prompt``: encode
     what rows share once (a group's prompt, the prefix all prompts begin with), else every row whole; ``lean``: decode
@@ -92,7 +96,9 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     distribution at ``temperature`` (``log_softmax(logits / temperature)``, what the loss computes: no top-k/top-p);
     ``interrupt(rows)``, called after each step with the rows still running, stops the loop when it returns True
     (the completions so far come back: a row cut off this way has neither an end-of-sequence token nor its
-    budget's length)."""
+    budget's length). ``sampled_logps`` (N, ``max_new_tokens``) receives each sampled token's log-prob under the
+    distribution it was drawn from (``choose`` then returns ``(tokens, logps)``: :func:`token_chooser`'s
+    ``with_logps``)."""
     n, p = prompt_ids.shape
     device = prompt_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
@@ -124,6 +130,9 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         state_rows = rows if one_each else rows.new_empty(logits.shape[0]).scatter_(0, owner, rows)  # any row of it
         dist = torch.log_softmax(logits / temperature, -1) if logps is not None else None  # (before any warper)
         tokens = choose(sequences[state_rows, :p + t], logits, owner)  # each row its own draw from its state's
+        if sampled_logps is not None:
+            tokens, drawn_logps = tokens
+            sampled_logps[rows, t] = drawn_logps.to(sampled_logps.dtype)
         out[rows, t] = tokens
         sequences[rows, p + t] = tokens
         if logps is not None:

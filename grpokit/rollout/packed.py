@@ -29,19 +29,24 @@ from collections.abc import Iterator
 import torch
 
 from ..forward.lora_layers import lora_layers, plain_adapter
+from .precision import GenerationCopy
 
 _PACKED = "_grpokit_packed_weight"
 """Set on a layer while it computes with a packed weight: that weight (so nested contexts pack once)."""
 
 
-def packed_weight(layer: torch.nn.Module) -> torch.Tensor | None:
-    """The packed weight ``layer`` computes with inside :func:`packed_linears`, else None."""
+def packed_weight(layer: torch.nn.Module):
+    """What ``layer`` computes with inside :func:`packed_linears`: its packed weight (a tensor), or with a
+    ``precision`` its :class:`grpokit.rollout.precision.GenerationCopy`; else None. Either has the ``dtype`` of the
+    input it takes."""
     return getattr(layer, _PACKED, None)
 
 
-def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``rows`` (N, in), contiguous and of the packed weight's dtype, times a weight packed by
-    :func:`packed_linears`, plus ``bias``."""
+def packed_linear(rows: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` (N, in), contiguous and of ``packed.dtype``, times a weight packed by :func:`packed_linears` (or its
+    copy in another precision), plus ``bias``."""
+    if isinstance(packed, GenerationCopy):
+        return packed(rows, bias)
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
@@ -58,26 +63,28 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
-def _foldable(layer: torch.nn.Module) -> bool:
-    """A plain LoRA layer (:func:`grpokit.forward.lora_layers.plain_adapter`) over a packable base layer."""
-    return plain_adapter(layer) is not None and _packable(layer.base_layer)
+def _foldable(layer: torch.nn.Module, precision: str | None = None) -> bool:
+    """A plain LoRA layer (:func:`grpokit.forward.lora_layers.plain_adapter`) over a packable base layer (with a
+    ``precision``: over a base layer that can be copied, :func:`_copyable`)."""
+    base = layer.base_layer if hasattr(layer, "base_layer") else None
+    return plain_adapter(layer) is not None and (_copyable(base) if precision else _packable(base))
 
 
-def foldable_lora(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every LoRA layer of ``model`` when each can be packed with its adapter folded in (:func:`_foldable`), else none
-    (the adapters are then merged before packing, all of them or none)."""
-    layers = lora_layers(model) if packing_available() else []
-    return layers if layers and all(_foldable(m) for m in layers) else []
+def foldable_lora(model: torch.nn.Module, precision: str | None = None) -> list[torch.nn.Module]:
+    """Every LoRA layer of ``model`` when each can be packed (or copied into ``precision``) with its adapter folded
+    in (:func:`_foldable`), else none (the adapters are then merged before packing, all of them or none)."""
+    layers = lora_layers(model) if precision or packing_available() else []
+    return layers if layers and all(_foldable(m, precision) for m in layers) else []
 
 
 @torch.no_grad()
-def folded_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """A foldable LoRA layer's ``W + s·B·A`` in a new tensor, summed in float32 and rounded once to ``W``'s dtype (a
-    bf16 merge rounds twice: ``s·B·A`` to bf16, then the sum); ``W`` itself is not written."""
+def folded_weight(layer: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A foldable LoRA layer's ``W + s·B·A`` in a new tensor, summed in float32 and rounded once to ``dtype``
+    (default ``W``'s: a bf16 merge rounds twice, ``s·B·A`` to bf16, then the sum); ``W`` itself is not written."""
     (name,) = layer.active_adapters
     w = layer.base_layer.weight
     return torch.addmm(w.float(), layer.lora_B[name].weight.float(), layer.lora_A[name].weight.float(),
-                       alpha=layer.scaling[name]).to(w.dtype)
+                       alpha=layer.scaling[name]).to(dtype or w.dtype)
 
 
 def lora_folded(model: torch.nn.Module) -> bool:
@@ -94,23 +101,42 @@ def _packable(module: torch.nn.Module, dtypes: tuple[torch.dtype, ...] | None = 
             and "forward" not in vars(module))  # a forward of its own (cast_lm_head_to_fp32's) is left alone
 
 
+def _copyable(module: torch.nn.Module | None) -> bool:
+    """An ``nn.Linear`` on a CPU with a floating weight, not packed yet and without a forward of its own: what a
+    ``precision`` copies (:class:`grpokit.rollout.precision.GenerationCopy`)."""
+    w = getattr(module, "weight", None)
+    return (type(module) is torch.nn.Linear and isinstance(w, torch.Tensor) and w.is_floating_point()
+            and w.device.type == "cpu" and not hasattr(module, _PACKED) and "forward" not in vars(module))
+
+
 @contextlib.contextmanager
-def packed_linears(model: torch.nn.Module, rows_hint: int = 32) -> Iterator[int]:
+def packed_linears(model: torch.nn.Module, rows_hint: int = 32, precision: str | None = None) -> Iterator[int]:
     """Within the block every float32 (or bf16: :func:`packable_dtypes`) ``nn.Linear`` of ``model`` on a CPU
     computes with a packed copy of its weight
     (no gradient: for generation only), and every LoRA layer with its adapter folded into one where all of them can be
     (:func:`foldable_lora`); yields how many layers it packed. The weights must not change inside the block (they are
-    packed once, on entry)."""
-    folded = foldable_lora(model)
+    packed once, on entry). With a ``precision`` (``"float32"``, ``"bf16"``, ``"int8"``: ``rollout_precision``),
+    every ``nn.Linear`` on a CPU computes with a copy of its weight in that precision instead
+    (:class:`grpokit.rollout.precision.GenerationCopy`), the adapters folded in the same way."""
+    folded = foldable_lora(model, precision)
     folded_ids = {id(m) for m in folded}  # LoRA layers folded here or by an enclosing block: their base layers and
     covered = {id(x) for m in lora_layers(model) if id(m) in folded_ids or packed_weight(m) is not None  # adapters
                for x in (m.base_layer, *m.lora_A.values(), *m.lora_B.values())}  # are not called: not packed
     dtypes = packable_dtypes()
-    layers = [m for m in model.modules() if _packable(m, dtypes) and id(m) not in covered]
-    for layer in folded:
-        _pack(layer, torch.ops.mkldnn._reorder_linear_weight(folded_weight(layer), rows_hint), layer.base_layer.bias)
-    for layer in layers:
-        _pack(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows_hint), layer.bias)
+    if precision:
+        layers = [m for m in model.modules() if _copyable(m) and id(m) not in covered]
+        for layer in folded:
+            _pack(layer, GenerationCopy(folded_weight(layer, torch.float32), precision, rows_hint,
+                                        dtype=layer.base_layer.weight.dtype), layer.base_layer.bias)
+        for layer in layers:
+            _pack(layer, GenerationCopy(layer.weight, precision, rows_hint), layer.bias)
+    else:
+        layers = [m for m in model.modules() if _packable(m, dtypes) and id(m) not in covered]
+        for layer in folded:
+            _pack(layer, torch.ops.mkldnn._reorder_linear_weight(folded_weight(layer), rows_hint),
+                  layer.base_layer.bias)
+        for layer in layers:
+            _pack(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows_hint), layer.bias)
     try:
         yield len(layers) + len(folded)
     finally:
@@ -119,7 +145,7 @@ def packed_linears(model: torch.nn.Module, rows_hint: int = 32) -> Iterator[int]
             delattr(layer, _PACKED)
 
 
-def _pack(layer: torch.nn.Module, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _pack(layer: torch.nn.Module, packed, bias: torch.Tensor | None) -> None:
     """``layer`` computes with ``packed`` (and ``bias``) without gradients on input of the packed weight's dtype, and
     with its own forward otherwise (a LoRA layer's also in training mode: its dropout)."""
     lora = hasattr(layer, "lora_A")

@@ -43,6 +43,8 @@ class InverseCDFSampler(LogitsProcessor):
     ``generate``) it returns the drawn token as the only finite score, so that greedy's argmax picks it."""
 
     def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float | None = None):
+        self.recorded: list[torch.Tensor] | None = None
+        """When a list: each call as a logits processor appends the drawn tokens' log-probs (:meth:`draw`)."""
         self.temperature = TemperatureLogitsWarper(temperature) if temperature != 1.0 else None
         self.top_k = int(top_k or 0)
         self.after_top_k = LogitsProcessorList()
@@ -68,28 +70,35 @@ class InverseCDFSampler(LogitsProcessor):
             scores = self.after_top_k(input_ids, scores)
         return torch.softmax(scores.float(), dim=-1), tokens
 
-    def draw(self, input_ids: torch.Tensor, scores: torch.Tensor, owner: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(self, input_ids: torch.Tensor, scores: torch.Tensor, owner: torch.Tensor | None = None,
+             with_logps: bool = False):
         """One token per row. ``scores`` (S, V): one distribution per row, or with ``owner`` (N,) one per *state*,
         ``owner[i]`` the state of row ``i`` (rows of a state draw independently from it); ``input_ids``: the
-        sequences of the rows of ``scores``."""
+        sequences of the rows of ``scores``. ``with_logps``: ``(tokens, logps)``, each token's log-prob under the
+        distribution it was drawn from (after every warper, renormalised over what they kept: what vLLM reports as
+        ``processed_logprobs``)."""
         probs, tokens = self.distribution(input_ids, scores)
         cdf = probs.double().cumsum_(-1)
         last = cdf.shape[-1] - 1
         if owner is None:
             u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
             picked = torch.searchsorted(cdf, u, right=True).clamp_(max=last)
-            return (picked if tokens is None else tokens.gather(-1, picked)).squeeze(1)
+            drawn = (picked if tokens is None else tokens.gather(-1, picked)).squeeze(1)
+            return (drawn, probs.gather(-1, picked).squeeze(1).log()) if with_logps else drawn
         n = owner.shape[0]
         u = torch.rand(n, dtype=torch.float64, device=cdf.device) * cdf[owner, -1]
         rank = _rank_within(owner, cdf.shape[0])  # each state's rows in columns 0, 1, ...
         targets = torch.zeros(cdf.shape[0], int(rank.max()) + 1, dtype=torch.float64, device=cdf.device)
         targets[owner, rank] = u
         picked = torch.searchsorted(cdf, targets, right=True).clamp_(max=last)[owner, rank]
-        return picked if tokens is None else tokens[owner, picked]
+        drawn = picked if tokens is None else tokens[owner, picked]
+        return (drawn, probs[owner, picked].log()) if with_logps else drawn
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        token = self.draw(input_ids, scores).unsqueeze(1)
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+        token, logps = self.draw(input_ids, scores, with_logps=True)
+        if self.recorded is not None:
+            self.recorded.append(logps)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token.unsqueeze(1), 0.0)
 
 
 def _rank_within(owner: torch.Tensor, n_states: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ from ..moe.routers import find_routers
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
 from .decode import decode, decodes, token_chooser
 from .llama_decode import OWN_HOOK
-from .packed import foldable_lora, lora_folded, packed_linears
+from .packed import foldable_lora, lora_folded, packed_linears, packed_weight
+from .precision import ROLLOUT_PRECISIONS, GenerationCopy, copy_precision
 from .sampling import InverseCDFSampler, fast_sampler
 
 __all__ = ["InverseCDFSampler", "TransformersRollout", "fast_sampler", "lora_merged"]
@@ -65,16 +66,20 @@ def lora_merged(model: torch.nn.Module) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def decoding_weights(model: torch.nn.Module, pack: bool, rows_hint: int = 32) -> Iterator[None]:
+def decoding_weights(model: torch.nn.Module, pack: bool, rows_hint: int = 32,
+                     precision: str | None = None) -> Iterator[None]:
     """The weights generation computes with: on a CPU in float32, or bf16 where oneDNN computes it (``pack``;
     :func:`grpokit.rollout.packed.packable_dtypes`), packed, with every LoRA adapter folded
     into its layer's packed weight where all of them can be (:func:`grpokit.rollout.packed.foldable_lora`: the
-    model's own weights are not written); else the adapters merged (:func:`lora_merged`) and then packed."""
+    model's own weights are not written); else the adapters merged (:func:`lora_merged`) and then packed. With a
+    ``precision`` (:func:`grpokit.rollout.precision.copy_precision`), copies of the linear layers in it, made from the
+    weights as they are on entry, the adapters folded in the same way."""
+    copying = precision is not None
     with contextlib.ExitStack() as stack:
-        if not (pack and (foldable_lora(model) or lora_folded(model))):  # (folded by an enclosing block: left so)
-            stack.enter_context(lora_merged(model))
-        if pack:
-            stack.enter_context(packed_linears(model, rows_hint))
+        if not ((pack or copying) and (foldable_lora(model, precision) or lora_folded(model))):  # (folded by an
+            stack.enter_context(lora_merged(model))  # enclosing block: left so)
+        if pack or copying:
+            stack.enter_context(packed_linears(model, rows_hint, precision))
         yield
 
 
@@ -142,15 +147,30 @@ class TransformersRollout:
     ``pack_weights``: on a CPU, the float32 (and, where oneDNN computes bf16, the bf16) linear layers compute with
     weights packed for oneDNN while generating
     (:mod:`grpokit.rollout.packed`), once per call or once for a whole generation batch (:meth:`generation_batch`).
+
+    ``rollout_precision`` (:mod:`grpokit.rollout.precision`): ``"float32"``, ``"bf16"`` or ``"int8"`` sample on a
+    CPU with copies of the linear layers in that precision, made when a generation batch (or a call outside one)
+    starts, so from the weights of the latest optimizer step; the completions then carry the sampler's own log-probs
+    (:attr:`grpokit.rollout.base.Generation.sampler_logps`) for the trainer's mismatch correction. ``"auto"``: the
+    policy's own weights.
     """
 
     def __init__(self, tokenizer, max_batch_size: int | None = None, share_prompt_prefill: bool = True,
-                 decode_loop: bool = True, pack_weights: bool = True):
+                 decode_loop: bool = True, pack_weights: bool = True, rollout_precision: str = "auto"):
+        if rollout_precision not in ROLLOUT_PRECISIONS:
+            from ..validation import refusal
+
+            raise refusal("rollout_precision", rollout_precision, f"expected one of {', '.join(ROLLOUT_PRECISIONS)}")
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.share_prompt_prefill = share_prompt_prefill
         self.decode_loop = decode_loop
         self.pack_weights = pack_weights
+        self.rollout_precision = rollout_precision
+
+    def copy_precision(self, model: torch.nn.Module) -> str | None:
+        """The precision ``model``'s linear layers are copied into for sampling (None: its own weights sample)."""
+        return copy_precision(self.rollout_precision, model)
 
     def generation_config(self, model: torch.nn.Module, params: SamplingParams) -> GenerationConfig:
         """``params`` as transformers' generation config; a vision-language model never samples its image
@@ -190,18 +210,21 @@ class TransformersRollout:
         process images themselves: not used here)."""
         sampler = fast_sampler(params, prompt_ids.device)  # when set: generate's greedy mode, the last processor samples
         config = self.generation_config(model, dataclasses.replace(params, do_sample=False) if sampler else params)
+        precision = None if params.lockstep else self.copy_precision(model)
         was_training = model.training
         model.eval()
         try:
             with contextlib.ExitStack() as stack:
                 if not params.lockstep:  # a shard cannot take the merge
-                    stack.enter_context(decoding_weights(model, self.pack_weights, prompt_ids.shape[0]))
+                    stack.enter_context(decoding_weights(model, self.pack_weights, prompt_ids.shape[0], precision))
                 stack.enter_context(contiguous_head_input(model))
-                chunks = self._generate_chunks(model, prompt_ids, prompt_mask, params, config, sampler, vision)
+                record = sampler is not None and _copies_sample(model)  # the sampler is not the trainer's weights
+                chunks = self._generate_chunks(model, prompt_ids, prompt_mask, params, config, sampler, vision, record)
         finally:
             model.train(was_training)
-        routes = [(r, unrecorded) for _, r, unrecorded in chunks if r is not None]
-        chunks = [c for c, _, _ in chunks]
+        routes = [(r, unrecorded) for _, r, unrecorded, _ in chunks if r is not None]
+        logps = [lp for _, _, _, lp in chunks]
+        chunks = [c for c, _, _, _ in chunks]
         width = max(c.shape[1] for c in chunks)
         pad = self.tokenizer.pad_token_id
         completion_ids = torch.cat(
@@ -210,6 +233,10 @@ class TransformersRollout:
         mask, truncated = completion_mask_from_eos(completion_ids, config.eos_token_id)
         completion_ids = completion_ids.masked_fill(mask == 0, pad)
         gen = Generation(completion_ids=completion_ids, completion_mask=mask, is_truncated=truncated)
+        if record:
+            sampled = torch.cat([torch.nn.functional.pad(lp[:, :width], (0, width - min(lp.shape[1], width)))
+                                 for lp in logps], 0)
+            gen.sampler_logps = sampled.masked_fill(mask == 0, 0.0)
         if len(routes) == len(chunks):  # (rows, P + C_chunk, L, k) a chunk: the completions' part padded to C
             p = prompt_ids.shape[1]
             gen.prompt_routes = torch.cat([r[:, :p] for r, _ in routes])
@@ -217,23 +244,35 @@ class TransformersRollout:
         return gen
 
     def _generate_chunks(self, model, prompt_ids, prompt_mask, params: SamplingParams, config, sampler,
-                         vision=None) -> list:
-        """Generation in chunks of ``max_batch_size`` rows. Rows with images are not prefilled once per group (the
-        prefill would have to carry each family's image positions into ``generate``): each row is prefilled."""
+                         vision=None, record: bool = False) -> list:
+        """Generation in chunks of ``max_batch_size`` rows: per chunk ``(completion ids, routes, unrecorded,
+        the sampler's log-probs)``, the last two None unless recorded (``record``: the sampled tokens' log-probs, as
+        (rows, ≥ the completion's width)). Rows with images are not prefilled once per group (the prefill would have
+        to carry each family's image positions into ``generate``): each row is prefilled."""
         step = self.max_batch_size or prompt_ids.shape[0]
         share = self.share_prompt_prefill and not params.lockstep and _can_share(model, config, prompt_ids.shape[1])
-        loop = self._decode_loop(model, params, sampler, prompt_ids.device) if vision is None else None
+        loop = self._decode_loop(model, params, sampler, prompt_ids.device, record) if vision is None else None
         chunks = []
         routers = _routers(model) if params.record_routes and not params.lockstep else None
         for start in range(0, prompt_ids.shape[0], step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
+            logps = torch.zeros(ids.shape[0], params.max_new_tokens) if record else None
             with _recording(model, routers, ids.shape[0]) as recorder:
                 if loop is not None:  # the fast path: finished rows leave the batch (grpokit/rollout/decode.py)
-                    out = loop(ids, mask, group_size(ids, mask) if share else 1, share, recorder)
+                    out = loop(ids, mask, group_size(ids, mask) if share else 1, share, recorder, logps)
                 else:
-                    out = self._generate_chunk(model, ids, mask, start, params, config, sampler, share, vision)
+                    if record:
+                        sampler.recorded = []
+                    try:
+                        out = self._generate_chunk(model, ids, mask, start, params, config, sampler, share, vision)
+                    finally:
+                        steps = sampler.recorded if record else None
+                        if record:
+                            sampler.recorded = None
+                    if record:
+                        logps = torch.stack(steps, 1) if steps else logps[:, :0]
             routes = recorder.routes(ids.shape[1] + out.shape[1]) if recorder is not None else None
-            chunks.append((out, routes, routers.unrecorded if routers is not None else None))
+            chunks.append((out, routes, routers.unrecorded if routers is not None else None, logps))
         return chunks
 
     def _generate_chunk(self, model, ids, mask, start: int, params: SamplingParams, config, sampler, share: bool,
@@ -250,7 +289,7 @@ class TransformersRollout:
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
         return out[:, ids.shape[1]:]
 
-    def _decode_loop(self, model, params: SamplingParams, sampler, device: torch.device):
+    def _decode_loop(self, model, params: SamplingParams, sampler, device: torch.device, record: bool = False):
         """``loop(ids, mask, group, share) -> completion ids`` with :func:`grpokit.rollout.decode.decode` when it
         applies (on a CPU, sampling with the fast sampler or greedy, a causal LM whose cache can drop rows, weights not
         sharded), else None (``generate``)."""
@@ -260,12 +299,12 @@ class TransformersRollout:
         if (not self.decode_loop or device.type != "cpu" or (params.do_sample and sampler is None)
                 or sharding_kind(model) is not None or not decodes(inner, params)):
             return None
-        choose = token_chooser(params, sampler if params.do_sample else None)
+        choose = token_chooser(params, sampler if params.do_sample else None, with_logps=record)
         eos, pad = stop_token_ids(model, self.tokenizer), self.tokenizer.pad_token_id
         min_new = int(params.extra.get("min_new_tokens") or 0)
-        return lambda ids, mask, group, share, recorder: decode(
+        return lambda ids, mask, group, share, recorder, logps: decode(
             inner, ids, mask, max_new_tokens=params.max_new_tokens, eos_ids=eos, pad_id=pad, choose=choose,
-            min_new_tokens=min_new, group=group, share_prompt=share, recorder=recorder)
+            min_new_tokens=min_new, group=group, share_prompt=share, recorder=recorder, sampled_logps=logps)
 
     def sync_weights(self, model: torch.nn.Module, step: int | None = None) -> None:  # the sampler is the trainer's model itself
         return None
@@ -275,9 +314,15 @@ class TransformersRollout:
         """The adapter merged (or folded into packed weights) once for every call of one generation batch (each
         call's own :func:`decoding_weights` then finds it done and leaves it): a fraction of a second saved a call for
         SmolLM2 in bf16 on a CPU (benchmarks/RESULTS.md, 'Measurements behind design choices'); and the weights
-        packed once (``pack_weights``). Not for sharded weights (the trainer does not enter it there)."""
-        with decoding_weights(model, self.pack_weights):
+        packed once (``pack_weights``), or copied into ``rollout_precision`` once. Not for sharded weights (the
+        trainer does not enter it there)."""
+        with decoding_weights(model, self.pack_weights, precision=self.copy_precision(model)):
             yield
+
+
+def _copies_sample(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s linear layers compute with :class:`grpokit.rollout.precision.GenerationCopy` copies."""
+    return any(isinstance(packed_weight(m), GenerationCopy) for m in model.modules())
 
 
 def _pad_positions(routes: torch.Tensor, width: int, unrecorded: int) -> torch.Tensor:
