@@ -332,12 +332,17 @@ def _interrupt(signum, frame):
 
 
 def cmd_vllm_serve(ns: argparse.Namespace) -> int:
+    from .rollout.precision import ROLLOUT_PRECISIONS
     from .rollout.vllm_launch import ServeOptions, running_server
     from .run.job_spec import JobError
 
+    if ns.rollout_precision not in ROLLOUT_PRECISIONS:
+        raise refusal("--rollout-precision", ns.rollout_precision, f"use one of {', '.join(ROLLOUT_PRECISIONS)}",
+                      error=JobError)
     extra = [a for a in ns.vllm_args if a != "--"]
     opts = ServeOptions(model=ns.model, host=ns.host, port=ns.port, dtype=ns.dtype, max_model_len=ns.max_model_len,
-                        enable_lora=ns.enable_lora, max_lora_rank=ns.max_lora_rank, python=ns.python, extra=extra)
+                        enable_lora=ns.enable_lora, max_lora_rank=ns.max_lora_rank, python=ns.python, extra=extra,
+                        rollout_precision=ns.rollout_precision)
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the server as Ctrl-C does (its whole group)
     try:
         with running_server(opts, show_output=True) as server:
@@ -424,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_integer, action=_PositiveInt, default=8000)
     v.add_argument("--dtype", default="auto", help="the engine's dtype (auto, bfloat16, float32, ...)")
+    v.add_argument("--rollout-precision", default="auto", metavar="{auto,float32,bf16,int8}",
+                   help="the trainer's rollout_precision: the engine's dtype, and for int8 its 8-bit weights "
+                        "(vLLM's fp8_per_channel); overrides --dtype")
     v.add_argument("--max-model-len", type=_integer, action=_PositiveInt, default=1024)
     v.add_argument("--enable-lora", action="store_true", help="load LoRA adapters at runtime (vllm_lora_sync)")
     v.add_argument("--max-lora-rank", type=_integer, action=_PositiveInt, default=16)

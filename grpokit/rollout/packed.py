@@ -127,9 +127,9 @@ def packed_linears(model: torch.nn.Module, rows_hint: int = 32, precision: str |
         layers = [m for m in model.modules() if _copyable(m) and id(m) not in covered]
         for layer in folded:
             _pack(layer, GenerationCopy(folded_weight(layer, torch.float32), precision, rows_hint,
-                                        dtype=layer.base_layer.weight.dtype), layer.base_layer.bias)
+                                        dtype=layer.base_layer.weight.dtype, packable=dtypes), layer.base_layer.bias)
         for layer in layers:
-            _pack(layer, GenerationCopy(layer.weight, precision, rows_hint), layer.bias)
+            _pack(layer, GenerationCopy(layer.weight, precision, rows_hint, packable=dtypes), layer.bias)
     else:
         layers = [m for m in model.modules() if _packable(m, dtypes) and id(m) not in covered]
         for layer in folded:

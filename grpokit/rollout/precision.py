@@ -1,5 +1,7 @@
 """Generation in another precision than training (``rollout_precision``): the weights a decode step reads, copied.
 
+(For vLLM the same field sets the engine's dtype and quantisation: :data:`VLLM_ENGINE_ARGS`.)
+
 ``"auto"`` samples with the policy's own weights (packed for oneDNN on a CPU: :mod:`grpokit.rollout.packed`), so
 sampler and trainer are one distribution. ``"float32"``, ``"bf16"`` and ``"int8"`` sample with *copies* of the
 policy's linear layers in that precision, made from the current weights (every LoRA adapter folded in) each time a
@@ -29,6 +31,17 @@ ROLLOUT_PRECISIONS = ("auto", "float32", "bf16", "int8")
 """``rollout_precision``'s values; ``"auto"``: the policy's own weights (no copy)."""
 
 _DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+
+VLLM_ENGINE_ARGS: dict[str, dict[str, str]] = {
+    "auto": {},
+    "float32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "fp8_per_channel", "dtype": "bfloat16"},
+}
+"""``rollout_precision`` as vLLM's engine arguments (``use_vllm=True``): the engine's dtype, and for ``"int8"`` its
+8-bit weights, quantised per output channel when it loads them (vLLM 0.32's ``fp8_per_channel``, which takes bf16 or
+fp16: FP8 weights with per-token FP8 activations, on a GPU and in vLLM's CPU build; vLLM's own int8 weight-only
+quantises only the experts of a Mixture-of-Experts model, not its linear layers). ``"auto"``: the engine's defaults."""
 
 
 def copy_precision(precision: str, model: torch.nn.Module) -> str | None:
@@ -72,11 +85,11 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
 class GenerationCopy:
     """What a layer computes with while generating in another precision: ``copy(rows, bias)`` for ``rows`` (N, in)
     of the model's dtype :attr:`dtype` (default ``weight``'s), returning that dtype. ``weight``: the layer's current
-    weight (a LoRA layer's with its adapter folded in, in float32)."""
+    weight (a LoRA layer's with its adapter folded in, in float32). A float32 or bf16 copy is packed for oneDNN where
+    its dtype is in ``packable`` (:func:`grpokit.rollout.packed.packable_dtypes`)."""
 
-    def __init__(self, weight: torch.Tensor, precision: str, rows_hint: int = 32, dtype: torch.dtype | None = None):
-        from .packed import packable_dtypes
-
+    def __init__(self, weight: torch.Tensor, precision: str, rows_hint: int = 32, dtype: torch.dtype | None = None,
+                 packable: tuple[torch.dtype, ...] = ()):
         self.dtype = dtype or weight.dtype
         self.precision = precision
         if precision == "int8":
@@ -90,7 +103,7 @@ class GenerationCopy:
         self.int8 = None
         target = _DTYPES[precision]
         w = weight.detach().to(target)
-        self.packed = target in packable_dtypes()
+        self.packed = target in packable
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows_hint) if self.packed else w
 
     def __call__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

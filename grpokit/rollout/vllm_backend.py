@@ -23,6 +23,7 @@ import torch
 
 from ..bounds.process_group import distributed_initialized
 from .base import Generation, SamplingParams
+from .precision import VLLM_ENGINE_ARGS
 from .vllm_server import WORKER_EXTENSION, VLLMServerClient
 from .vllm_sync import WeightSync, engine_weights
 
@@ -180,6 +181,7 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
             trust_remote_code=args.trust_remote_code,
             worker_extension_cls=WORKER_EXTENSION,  # weight sync: every worker loads the trainer's weight file
+            **VLLM_ENGINE_ARGS[getattr(args, "rollout_precision", "auto")],  # its dtype and 8-bit weights
         )
 
     @staticmethod
@@ -190,6 +192,7 @@ class VLLMRollout:
         own = VLLMServerClient(base_url, timeout=args.vllm_server_timeout)
         if own.serves_openai_api():
             own.check(model_name_or_path)
+            own.check_precision(getattr(args, "rollout_precision", "auto"), model_name_or_path)
             return own
         try:
             from trl.generation.vllm_client import VLLMClient
@@ -198,6 +201,13 @@ class VLLMRollout:
                 f"the server at {base_url} is not vLLM's OpenAI server, so it would be TRL's `trl vllm-serve`, which "
                 "TRL's client talks to: pip install trl (or start vLLM's server: grpokit vllm-serve --model ...)"
             ) from e
+        precision = getattr(args, "rollout_precision", "auto")
+        if precision != "auto":
+            from ..validation import refusal
+
+            raise refusal("rollout_precision", precision, "use 'auto' (trl vllm-serve sets its engine's dtype and "
+                          "quantisation itself), or vLLM's own server: grpokit vllm-serve --rollout-precision "
+                          f"{precision}", when=f"with TRL's trl vllm-serve at {base_url}")
         client = VLLMClient(base_url=args.vllm_server_base_url, host=args.vllm_server_host,
                             server_port=args.vllm_server_port, group_port=args.vllm_group_port,
                             connection_timeout=args.vllm_server_timeout)

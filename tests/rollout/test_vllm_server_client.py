@@ -189,6 +189,36 @@ def test_the_server_command_asks_for_what_the_client_needs():
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
 
 
+@pytest.mark.parametrize("precision, flags", [("int8", ["--dtype bfloat16", "--quantization fp8_per_channel"]),
+                                              ("bf16", ["--dtype bfloat16"]), ("float32", ["--dtype float32"]),
+                                              ("auto", ["--dtype auto"])])
+def test_the_server_command_sets_the_rollout_precision(precision, flags):
+    argv, _ = server_command(ServeOptions(model="/m", rollout_precision=precision))
+    assert all(f in " ".join(argv) for f in flags) and ("--quantization" in argv) == (precision == "int8")
+
+
+@pytest.mark.parametrize("served, precision, refused", [
+    ({"dtype": "torch.bfloat16", "quantization": "fp8_per_channel"}, "int8", None),
+    ({"dtype": "torch.bfloat16", "quantization": "fp8_per_channel"}, "auto", None),
+    ({"dtype": "torch.bfloat16", "quantization": "fp8_per_channel"}, "bf16", "quantization fp8_per_channel"),
+    ({"dtype": "torch.float32", "quantization": None}, "int8", "quantization none and dtype float32"),
+    ({"dtype": "torch.float32", "quantization": None}, "float32", None),
+    ({"dtype": "torch.float32", "quantization": None}, "bf16", "dtype float32"),
+])
+def test_a_server_in_another_precision_is_refused_in_one_line(stand_in, served, precision, refused):
+    server = stand_in(**{f"model_config__{k}": v for k, v in served.items()})
+    client = VLLMServerClient(server.url, timeout=10)
+    client.check("/models/tiny")
+    if refused is None:
+        client.check_precision(precision, "/models/tiny")
+        return
+    with pytest.raises(VLLMServerError) as e:
+        client.check_precision(precision, "/models/tiny")
+    text = str(e.value)
+    assert text.startswith(f"rollout_precision='{precision}' is not allowed with the vLLM server at ") and "\n" not in text
+    assert refused in text and f"grpokit vllm-serve --model /models/tiny --rollout-precision {precision}" in text
+
+
 FAKE_SERVER = '''
 import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
