@@ -200,6 +200,8 @@ def test_the_mismatch_correction_applies_to_an_int8_sampler_through_the_trainer(
      "rollout_precision='int8' is not allowed with use_transformers_continuous_batching=True"),
     (dict(rollout_precision="bf16", partial_rollouts=True, max_staleness=1),
      "rollout_precision='bf16' is not allowed with partial_rollouts=True"),
+    (dict(rollout_precision="int8", max_staleness=1, top_k=50),
+     "rollout_precision='int8' is not allowed with max_staleness=1 and a truncating sampler"),
 ])
 def test_settings_it_does_not_take_are_refused_in_one_line(tmp_path, setting, why):
     with pytest.raises(ValueError) as e:
@@ -213,3 +215,17 @@ def test_a_policy_off_the_cpu_is_refused_in_one_line(tmp_path):
     tok = tiny_tokenizer()
     with pytest.raises(ValueError, match="rollout_precision='int8' is not allowed with the policy on meta"):
         default_rollout(tiny_model(tok).to("meta"), tok, make_args(tmp_path, rollout_precision="int8"))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_asynchronous_rollouts_and_workers_sample_with_copies_and_log_the_mismatch(tmp_path, workers):
+    """max_staleness=1 (a producer thread, or a rollout worker process): the copies are made from the sampler's own
+    weights, the batch carries its log-probs, and the mismatch against the behaviour policy is logged every step."""
+    tok = tiny_tokenizer()
+    args = make_args(tmp_path, rollout_precision="int8", max_staleness=1, rollout_workers=workers, max_steps=3,
+                     temperature=0.9)
+    trainer = GRPOTrainer(tiny_model(tok, hidden=64), varied_reward, args=args, train_dataset=chat_dataset(),
+                          processing_class=tok)
+    trainer.train()
+    logs = train_logs(trainer)
+    assert len(logs) == 3 and all(float(h["sampling/mismatch_kl_k3"]) > 0 for h in logs)
