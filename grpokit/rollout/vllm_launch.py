@@ -119,6 +119,36 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         pass
 
 
+def shared_memory_of_group(pgid: int) -> set[Path]:
+    """The POSIX shared-memory segments (``/dev/shm/psm_*``, Python's ``multiprocessing.shared_memory``: vLLM's
+    message queues between its server, engine core and workers) that processes of group ``pgid`` have mapped; empty
+    where ``/proc`` cannot be read."""
+    found: set[Path] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:  # the field after the state: the process group
+                continue
+            for line in (proc / "maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+                path = parts[5] if len(parts) == 6 else ""
+                if path.startswith("/dev/shm/psm_"):
+                    found.add(Path(path.removesuffix(" (deleted)")))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def remove_left_behind(segments: set[Path]) -> None:
+    """Unlink those of ``segments`` still there once their processes are gone: a vLLM server that was killed (it
+    unlinks its own on a normal stop) leaves several hundred MB in ``/dev/shm`` otherwise."""
+    for path in segments:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
 def _stop_with_the_parent() -> None:
     """In the server's process, before vLLM starts: the kernel sends it SIGTERM when the thread that started it
     ends (Linux), so even a SIGKILL of the trainer leaves no server behind (vLLM's server stops its engine on
@@ -149,8 +179,9 @@ class RunningServer:
 def running_server(opts: ServeOptions, *, start_timeout_s: float = 600.0, log: Path | None = None,
                    show_output: bool = False) -> Iterator[RunningServer]:
     """Start the server, wait until it answers, yield it; stop it (and everything it started) on the way out, an
-    exception included; a signal that ends this process ends the server too (``PR_SET_PDEATHSIG``). ``log``: a
-    file for its output; ``show_output``: this process's stdout instead; neither: discarded."""
+    exception included, and remove the shared memory it leaves behind if it was killed; a signal that ends this
+    process ends the server too (``PR_SET_PDEATHSIG``). ``log``: a file for its output; ``show_output``: this
+    process's stdout instead; neither: discarded."""
     if port_in_use(opts.host, opts.port):
         raise RuntimeError(f"port {opts.port} on {opts.host} is in use: pick another with --port (vllm_server_port)")
     argv, env = server_command(opts)
@@ -158,6 +189,7 @@ def running_server(opts: ServeOptions, *, start_timeout_s: float = 600.0, log: P
     out = open(log, "ab") if log is not None else (None if show_output else subprocess.DEVNULL)  # noqa: SIM115
     proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_stop_with_the_parent)
+    segments: set[Path] = set()
     try:
         deadline = time.monotonic() + start_timeout_s
         while not _healthy(url):
@@ -168,8 +200,10 @@ def running_server(opts: ServeOptions, *, start_timeout_s: float = 600.0, log: P
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the vLLM server at {url} did not answer within {start_timeout_s:.0f} s")
             time.sleep(0.5)
+        segments = shared_memory_of_group(proc.pid)  # (mapped once the engine is up)
         yield RunningServer(url, proc)
     finally:
         stop_group(proc)
+        remove_left_behind(segments)
         if log is not None:
             out.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -295,3 +296,36 @@ def test_auto_syncs_the_adapter_alone_except_to_a_cpu_engine(stand_in, device, e
     assert WeightSync("auto").kind(lora, client) == expected
     assert WeightSync("adapter").kind(lora, client) == "adapter"  # asked for: the user's choice
     assert WeightSync("auto").kind(SimpleNamespace(), client) == "full"  # no adapter
+
+
+SHARING_CHILD = '''
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+segment = shared_memory.SharedMemory(create=True, size=1 << 16)
+resource_tracker.unregister(segment._name, "shared_memory")  # as a killed server: nobody left to unlink it
+print(segment.name, flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_killed_groups_shared_memory_is_found_and_removed():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from grpokit.rollout.vllm_launch import remove_left_behind, shared_memory_of_group, stop_group
+
+    proc = subprocess.Popen([sys.executable, "-c", SHARING_CHILD], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        path = Path("/dev/shm") / proc.stdout.readline().strip().lstrip("/")
+        found = shared_memory_of_group(proc.pid)
+        assert path in found and path.exists()
+        assert not shared_memory_of_group(proc.pid + 10 ** 7)  # another group's: none
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        stop_group(proc)  # already gone: nothing to do
+    assert path.exists()  # SIGKILL: the segment outlives its process
+    remove_left_behind(found)
+    assert not path.exists()

@@ -16,6 +16,7 @@ from engines import MARKS, serve
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.models import load_model, load_tokenizer
+from grpokit.rollout.vllm_launch import shared_memory_of_group
 from grpokit.rollout.vllm_server import VLLMServerClient, VLLMServerError
 
 pytestmark = MARKS
@@ -35,6 +36,8 @@ def trainer_on(url, tmp_path, timeout):
 def test_a_server_stopped_then_killed_mid_sync_ends_the_run_in_one_line(tmp_path, monkeypatch):
     with serve(tmp_path) as server:
         group = server.process.pid
+        segments = shared_memory_of_group(group)
+        assert segments and all(p.exists() for p in segments)  # vLLM's message queues
         load = VLLMServerClient.load_weight_file
 
         def stopped_at_step_1(client, path, n):  # the server stops answering as the step-1 sync reaches it
@@ -61,6 +64,7 @@ def test_a_server_stopped_then_killed_mid_sync_ends_the_run_in_one_line(tmp_path
             trainer.rollout.sync_weights(trainer.model, step=2)
     assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in segments if p.exists()]  # the killed server's shared memory is removed too
 
 
 def test_a_model_the_engine_cannot_load_is_one_line_from_its_own_log(tmp_path):
