@@ -31,6 +31,7 @@ from .prefix import (
     group_size,
     inner_causal_lm,
     position_ids_from_mask,
+    with_cache,
 )
 
 _POSTPROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale",
@@ -139,7 +140,7 @@ def _head_inputs(
     handle = head.register_forward_pre_hook(hook)
     if position_ids is None:
         position_ids = position_ids_from_mask(mask)
-    kwargs = dict(use_cache=False) if cache is None else dict(cache=cache, use_cache=True)
+    kwargs = dict(use_cache=False) if cache is None else with_cache(cache, use_cache=True)
     try:
         outputs = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
                         **kwargs, **_router_kwargs(aux), **(extra or {}))
@@ -172,7 +173,8 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
     if param is None or param.device.type not in SHARE_PROMPTS_ON:
         return False
     base = inner_causal_lm(model)
-    if base is None or getattr(base, "is_activation_checkpointing", False) or has_routers(base):
+    checkpointing = getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False))
+    if base is None or checkpointing or has_routers(base):  # (transformers before 5.20 says "gradient")
         return False  # (a Mixture-of-Experts policy's forwards run whole rows: its routing is recorded and replayed so)
     if model.training:
         cfg = getattr(base, "config", None)

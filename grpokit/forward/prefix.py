@@ -9,6 +9,7 @@ forward). Also home of :func:`position_ids_from_mask`, the positions both must a
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -67,14 +68,29 @@ def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, also_same: t
     return g if breaks == expected else 1
 
 
+@functools.cache
+def cache_argument() -> str:
+    """The name transformers' causal LMs take their KV cache by: ``cache`` since transformers 5.20,
+    ``past_key_values`` before (5.19 is the newest that vLLM's CPU build accepts). A cache passed by the other name
+    would be swallowed by the forward's ``**kwargs`` and silently unused."""
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def with_cache(cache, **kwargs) -> dict:
+    """``kwargs`` plus ``cache`` under the name this transformers takes it by (:func:`cache_argument`)."""
+    return {**kwargs, cache_argument(): cache}
+
+
 def accepts_cache(model: torch.nn.Module, *also: str) -> bool:
-    """Whether the model's forward takes a ``cache`` argument (a transformers 5 causal LM), and the arguments
-    named in ``also``."""
+    """Whether the model's forward takes a KV cache argument (a transformers 5 causal LM, by the name of
+    :func:`cache_argument`), and the arguments named in ``also``."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return all(name in params for name in ("cache", *also))
+    return all(name in params for name in (cache_argument(), *also))
 
 
 def encode_once_per_group(
@@ -94,7 +110,7 @@ def encode_once_per_group(
         return None, None
     if forward is None:
         out = model(input_ids=uniq_ids, attention_mask=uniq_mask, position_ids=position_ids_from_mask(uniq_mask),
-                    cache=cache, use_cache=True, logits_to_keep=1)
+                    **with_cache(cache, use_cache=True, logits_to_keep=1))
     else:
         out = forward(uniq_ids, uniq_mask, cache)
     if g > 1:
@@ -156,8 +172,8 @@ def encode_common_prefix_once(
         return None
     if forward is None:
         def forward(ids, mask, cache, positions):
-            return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                         logits_to_keep=1)
+            return model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         **with_cache(cache, use_cache=True, logits_to_keep=1))
     ids, mask = prefix_first(prompt_ids, prompt_mask, length)
     uniq_ids, uniq_mask = ids[::g], mask[::g]
     positions = position_ids_from_mask(uniq_mask)

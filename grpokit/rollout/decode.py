@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from ..forward.prefix import accepts_cache, encode_common_prefix_once, position_ids_from_mask
+from ..forward.prefix import accepts_cache, encode_common_prefix_once, position_ids_from_mask, with_cache
 from .base import SamplingParams
 from .llama_decode import llama_stepper
 from .reserved_cache import reserve
@@ -119,7 +119,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     step_input = prompt_ids[firsts, -1:]  # prompts are left-padded: every row's last column is a real token
     step = (llama_stepper(model) if lean else None) or (
         lambda ids, mask, positions, cache: model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                                  cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
+                                                  **with_cache(cache, use_cache=True, logits_to_keep=1)).logits[:, -1])
     for t in range(max_new_tokens):
         if recorder is not None:
             recorder.expect(rows, owner)  # row rows[i] runs in state owner[i]
@@ -185,6 +185,6 @@ def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     cache = DynamicCache(config=model.config)
     if prompt_ids.shape[1] > 1:
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
-        model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), cache=cache,
-              use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+              **with_cache(cache, use_cache=True, logits_to_keep=1))
     return cache, prompt_mask.clone()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from ..forward.prefix import accepts_cache, encode_once_per_group, group_size, inner_causal_lm
+from ..forward.prefix import accepts_cache, cache_argument, encode_once_per_group, group_size, inner_causal_lm
 from ..moe.recording import GenerationRoutes
 from ..moe.routers import find_routers
 from .base import Generation, SamplingParams, completion_mask_from_eos, stop_token_ids
@@ -283,7 +283,7 @@ class TransformersRollout:
             kwargs.update(vision.select(range(start, start + ids.shape[0])).model_kwargs(ids.shape[1]))
         g = group_size(ids, mask) if share and len(kwargs) == 1 else 1
         if g > 1:  # prefill each prompt once, all but its last token: generate then runs that one per row
-            kwargs["cache"], _ = encode_once_per_group(inner_causal_lm(model), ids[:, :-1], mask[:, :-1], g)
+            kwargs[cache_argument()], _ = encode_once_per_group(inner_causal_lm(model), ids[:, :-1], mask[:, :-1], g)
         if sampler is not None:
             kwargs["logits_processor"] = LogitsProcessorList([sampler])
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)

@@ -9,6 +9,7 @@ from tiny import tiny_model, tiny_tokenizer
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from grpokit.forward.prefix import with_cache
 from grpokit.rollout import decode as decode_module
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.decode import decode, token_chooser
@@ -62,7 +63,7 @@ def test_reserve_swaps_only_prefilled_plain_layers():
     cache = DynamicCache(config=model.config)
     assert reserve(cache, 4) == 0  # nothing prefilled yet
     with torch.no_grad():
-        model(input_ids=torch.randint(10, len(tok), (2, 5)), cache=cache, use_cache=True)
+        model(input_ids=torch.randint(10, len(tok), (2, 5)), **with_cache(cache, use_cache=True))
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     assert reserve(cache, 4) == len(cache.layers) > 0
     assert all(type(layer) is ReservedLayer for layer in cache.layers)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from grpokit.forward.prefix import group_size, inner_causal_lm
+from grpokit.forward.prefix import cache_argument, group_size, inner_causal_lm
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.transformers_backend import TransformersRollout, contiguous_head_input
 
@@ -94,7 +94,7 @@ def test_lockstep_generates_with_synced_gpus_and_no_shared_prefill(lockstep):
     TransformersRollout(tok, decode_loop=False).generate(model, ids, torch.ones_like(ids),  # generate's arguments
                                                          SamplingParams(max_new_tokens=3, lockstep=lockstep))
     assert seen[0]["synced_gpus"] is lockstep
-    assert ("cache" in seen[0]) is (not lockstep)  # the 4 rows are one group: shared prefill unless lockstep
+    assert (cache_argument() in seen[0]) is (not lockstep)  # the 4 rows are one group: shared prefill unless lockstep
 
 
 @pytest.mark.parametrize("top_k, most", [(0, None), (5, 5)])
