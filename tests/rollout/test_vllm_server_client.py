@@ -172,8 +172,12 @@ def test_the_launcher_says_what_is_wrong_in_one_line(tmp_path):
         with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is in use"):
             with running_server(ServeOptions(model="/nowhere", port=port)):
                 pass
-    # an interpreter without vLLM: the server's own exit ends the wait, with its cause
-    opts = ServeOptions(model="/nowhere", port=closed_port(), python=sys.executable)
+    # an interpreter without vLLM (this one without its site-packages: the suite may run where vLLM is installed):
+    # the server's own exit ends the wait, with its cause
+    bare = tmp_path / "python-without-site-packages"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    bare.chmod(0o755)
+    opts = ServeOptions(model="/nowhere", port=closed_port(), python=str(bare))
     with pytest.raises(RuntimeError, match=r"exited with status 1 before answering: .*No module named 'vllm"):
         with running_server(opts, log=tmp_path / "server.log", start_timeout_s=120):
             pass
@@ -256,6 +260,8 @@ def test_a_killed_trainer_leaves_no_server_behind(tmp_path):
     module = tmp_path / "vllm" / "entrypoints" / "openai"
     module.mkdir(parents=True)
     (module / "api_server.py").write_text(FAKE_SERVER)
+    for package in (tmp_path / "vllm", module.parent, module):  # regular packages: ahead of an installed vLLM
+        (package / "__init__.py").write_text("")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     parent = subprocess.Popen([sys.executable, "-c", PARENT], env=env, stdout=subprocess.PIPE, text=True)
     server = None
