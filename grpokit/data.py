@@ -118,10 +118,6 @@ def check_datasets(args, train_dataset, eval_dataset) -> None:
         if is_iterable_dataset(train_dataset):
             raise ValueError("max_staleness > 0 is not supported with an IterableDataset train_dataset yet: the rollout "
                              "producer reads generation batches ahead by index; use a map-style Dataset")
-        if args.world_size > 1 and args.use_vllm and args.vllm_mode == "server":
-            raise ValueError("max_staleness > 0 with vllm_mode='server' on several processes is not supported: the "
-                             "server's one client gathers every rank's prompts, a collective a producer thread cannot "
-                             "make; use vllm_mode='colocate'")
     if is_iterable_dataset(train_dataset):
         if args.dynamic_sampling:
             raise ValueError("dynamic_sampling=True is not supported with an IterableDataset train_dataset yet: it draws "

@@ -120,9 +120,15 @@ class TrainerDriver:
         return enter(self.policy())
 
     def push_weights(self) -> None:
-        """Give an engine holding its own weights (vLLM) the current ones (the producer calls it between batches)."""
+        """Give an engine holding its own weights (vLLM) the current ones unless it holds them already: when the
+        producer starts (a server may hold another run's weights; a resumed run's colocated engine, the base
+        model's) and after the steps it publishes, between its batches."""
+        step = self.trainer.state.global_step
+        if self.synced_step == step:
+            return
         with full_weights(self._wrapped()):
-            self.trainer.rollout.sync_weights(self.policy(), step=self.trainer.state.global_step)
+            self.trainer.rollout.sync_weights(self.policy(), step=step)
+        self.synced_step = step
 
     # -- log-probs -------------------------------------------------------------------------------------------------
     def policy_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, vision=None,

@@ -173,8 +173,9 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
     if param is None or param.device.type not in SHARE_PROMPTS_ON:
         return False
     base = inner_causal_lm(model)
-    checkpointing = getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False))
-    if base is None or checkpointing or has_routers(base):  # (transformers before 5.20 says "gradient")
+    name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"  # its name before transformers 5.20 (reading it now warns)
+    if base is None or getattr(base, name, False) or has_routers(base):
         return False  # (a Mixture-of-Experts policy's forwards run whole rows: its routing is recorded and replayed so)
     if model.training:
         cfg = getattr(base, "config", None)

@@ -268,7 +268,9 @@ class AsyncRollouts:
         self.close()
         a = self.args
         holds = self.learner.holds_weights
-        if not holds:
+        if holds:  # the engine gets the weights it will start from (on every rank: a push may be a collective)
+            self.learner.push_weights()
+        else:
             self.sampler = copy.deepcopy(self.learner.policy()).eval().requires_grad_(False)
         first = math.ceil(global_step * a.gradient_accumulation_steps / generate_every)
         driver = SamplerDriver(self.learner, self.sampler)

@@ -175,22 +175,40 @@ class VLLMRollout:
         self.eos_ids = {tokenizer.eos_token_id}
         self.sleep = self.mode == "colocate" and bool(args.vllm_enable_sleep_mode)
         self.asleep = False
+        self.per_rank = (self.mode == "server" and getattr(args, "max_staleness", 0) > 0
+                         and getattr(args, "world_size", 1) > 1)
+        """Asynchronous rollouts from a server on several processes: each rank's producer thread sends its own
+        prompts through a client of its own (grpokit's HTTP client needs no collective) and the main process pushes
+        the weights (:meth:`_sync_from_the_main_process`). Otherwise one client, on the main process, gathers every
+        rank's prompts (TRL's server takes one communicator) and the other ranks get their completions from it."""
         if self.mode == "colocate":
             self.llm = llm if llm is not None else self._make_llm(model_name_or_path, args, process_index)
             self.client = None
         else:
-            # One client for the whole run, on the main process: it gathers every rank's prompts (TRL's server
-            # takes one communicator); the other ranks get their completions from it.
-            is_main = process_index == 0
-            self.client = (client if client is not None else self._make_client(args, model_name_or_path)) if is_main \
+            makes = self.per_rank or process_index == 0
+            self.client = (client if client is not None else self._make_client(args, model_name_or_path)) if makes \
                 else None
             self.llm = None
-        self.sync = WeightSync(args.vllm_lora_sync) if isinstance(self.client, VLLMServerClient) else None
+        pushes = isinstance(self.client, VLLMServerClient) and process_index == 0
+        self.sync = WeightSync(self._lora_sync(args)) if pushes else None
         if self.mode == "colocate" and hasattr(self.llm, "collective_rpc"):  # vLLM's LLM: its workers load a file
             self.sync = WeightSync("full")
         self.starts_in_sync = self.mode == "colocate"
         """A colocated engine is built from the trainer's checkpoint; a server may hold any weights, so it gets the
         trainer's before its first generation."""
+
+    def _lora_sync(self, args) -> str:
+        """``vllm_lora_sync``, where the run can do it: on several processes with their own clients a rank may still
+        be generating with the adapter the main process would unload, so the weights go whole there."""
+        if not self.per_rank:
+            return args.vllm_lora_sync
+        if args.vllm_lora_sync == "adapter":
+            from ..validation import refusal
+
+            raise refusal("vllm_lora_sync", "adapter", "'full' or 'auto' (the whole weights: a rank may still be "
+                          "generating with the adapter the main process would unload)",
+                          when=f"with max_staleness={args.max_staleness} on {args.world_size} processes")
+        return "full"
 
     @staticmethod
     def _make_llm(model_name_or_path: str, args, process_index: int):
@@ -232,10 +250,15 @@ class VLLMRollout:
                 f"the server at {base_url} is not vLLM's OpenAI server, so it would be TRL's `trl vllm-serve`, which "
                 "TRL's client talks to: pip install trl (or start vLLM's server: grpokit vllm-serve --model ...)"
             ) from e
+        from ..validation import refusal
+
+        if getattr(args, "max_staleness", 0) > 0 and getattr(args, "world_size", 1) > 1:
+            raise refusal("max_staleness", args.max_staleness, "0, or vLLM's own server (grpokit vllm-serve), whose "
+                          "clients need no collective (TRL's client on the main process gathers every rank's "
+                          "prompts, which a producer thread cannot do)",
+                          when=f"with TRL's trl vllm-serve at {base_url} on {args.world_size} processes")
         precision = getattr(args, "rollout_precision", "auto")
         if precision != "auto":
-            from ..validation import refusal
-
             raise refusal("rollout_precision", precision, "use 'auto' (trl vllm-serve sets its engine's dtype and "
                           "quantisation itself), or vLLM's own server: grpokit vllm-serve --rollout-precision "
                           f"{precision}", when=f"with TRL's trl vllm-serve at {base_url}")
@@ -283,6 +306,26 @@ class VLLMRollout:
                          for c in completions]
         return pad_rollouts(completions, logps, truncated, self.tokenizer.pad_token_id)
 
+    def _sync_from_the_main_process(self, model: torch.nn.Module, step: int | None) -> None:
+        """The main process pushes; then one broadcast tells every rank that the server holds these weights, or why
+        it does not (each rank raises it), so no rank's producer generates for this step on older ones and none
+        waits on a push that failed. Called on every rank at the same step, from the learner's thread (the
+        producers' threads make no collective)."""
+        failure, error = [None], None
+        if self.sync is not None:
+            self.client.step = step or 0
+            try:
+                report = self.sync.push(model, self.client)
+                logger.debug("vLLM weight sync (%s): %d bytes in %.2f s", report.kind, report.bytes, report.seconds)
+            except Exception as e:  # every rank learns of it below, then raises
+                failure[0], error = f"{type(e).__name__}: {e}", e
+        torch.distributed.broadcast_object_list(failure, src=0)
+        if error is not None:
+            raise error
+        if failure[0] is not None:
+            raise RuntimeError(f"the main process could not give the vLLM server the weights of training step "
+                               f"{step}: {failure[0]}")
+
     def _wake(self) -> None:
         if self.asleep:
             self.llm.wake_up()
@@ -293,7 +336,7 @@ class VLLMRollout:
         """The main process sends every rank's prompts in one request and hands each rank its slice back. Images go
         first to the server's image processing (TRL's ``VLLMClient.image_features``); their features are then
         pointed at the image tokens of each prompt and sent with it."""
-        world = _world_size()
+        world = 1 if self.per_rank else _world_size()
         everyone = _all_gather_objects(prompts) if world > 1 else [prompts]
         every_image = _all_gather_objects(images or [None] * len(prompts)) if world > 1 else [images or []]
         result = [None]
@@ -329,6 +372,9 @@ class VLLMRollout:
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module, step: int | None = None) -> None:
         """Give the engine ``model``'s weights (``step``: the training step they are from, named in errors)."""
+        if self.per_rank:
+            self._sync_from_the_main_process(model, step)
+            return
         if self.sync is not None:  # a file in shared memory: all weights, or (vLLM's own server) the adapter
             if self.mode == "colocate":
                 self._wake()

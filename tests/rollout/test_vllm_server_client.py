@@ -12,8 +12,10 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
+import torch
 from service_servers import closed_port
 
 from grpokit.rollout.vllm_launch import ServeOptions, running_server, server_command
@@ -335,3 +337,97 @@ def test_a_killed_groups_shared_memory_is_found_and_removed():
     assert path.exists()  # SIGKILL: the segment outlives its process
     remove_left_behind(found)
     assert not path.exists()
+
+
+def per_rank_args(url: str, **changes) -> SimpleNamespace:
+    """What the backend reads of a config, for asynchronous rollouts from a server on two processes."""
+    args = dict(vllm_mode="server", vllm_server_base_url=url, vllm_server_host="127.0.0.1", vllm_server_port=8000,
+                vllm_group_port=51216, vllm_server_timeout=10, vllm_lora_sync="auto", vllm_enable_sleep_mode=False,
+                max_staleness=1, world_size=2, rollout_precision="auto")
+    return SimpleNamespace(**{**args, **changes})
+
+
+def test_asynchronous_rollouts_on_several_processes_give_every_rank_a_client_of_its_own(stand_in):
+    """Each rank's producer thread sends its own prompts (no collective: none is set up here), and only the main
+    process pushes weights."""
+    from tiny import tiny_tokenizer
+
+    from grpokit.rollout.base import SamplingParams
+    from grpokit.rollout.vllm_backend import VLLMRollout
+
+    server = stand_in()
+    tok = tiny_tokenizer()
+    ranks = [VLLMRollout("/models/tiny", tok, per_rank_args(server.url), process_index=i) for i in (0, 1)]
+    assert all(r.per_rank and isinstance(r.client, VLLMServerClient) for r in ranks)
+    assert ranks[0].sync is not None and ranks[0].sync.mode == "full" and ranks[1].sync is None
+    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+    out = ranks[1].generate(None, ids, (ids != 0).long(), SamplingParams(max_new_tokens=2))
+    assert out.completion_ids.tolist() == [[7, 2], [7, 2]]
+    sent = [body["prompt"] for path, body in server.posts if path == "/v1/completions"]
+    assert sent == [[[5, 6, 7], [8, 9]]]  # this rank's rows only, in one request
+
+
+def test_trls_server_and_adapter_sync_are_refused_for_asynchronous_rollouts_on_several_processes(stand_in):
+    from grpokit.rollout.vllm_backend import VLLMRollout
+
+    trl_like = stand_in()
+    del trl_like.get["/v1/models"]
+    with pytest.raises(ValueError) as e:
+        VLLMRollout._make_client(per_rank_args(trl_like.url), "/models/tiny")
+    text = str(e.value)
+    assert text.startswith(f"max_staleness=1 is not allowed with TRL's trl vllm-serve at {trl_like.url} on 2 "
+                           "processes: 0, or vLLM's own server (grpokit vllm-serve)") and "\n" not in text
+    from tiny import tiny_tokenizer
+
+    server = stand_in()
+    with pytest.raises(ValueError, match=r"^vllm_lora_sync='adapter' is not allowed with max_staleness=1 on 2 "
+                                         r"processes: 'full' or 'auto'"):
+        VLLMRollout("/models/tiny", tiny_tokenizer(), per_rank_args(server.url, vllm_lora_sync="adapter"))
+
+
+RANK = '''
+import os, sys
+import torch
+sys.path.insert(0, sys.argv[2])
+from tiny import tiny_model, tiny_tokenizer
+from types import SimpleNamespace
+from grpokit.rollout.vllm_backend import VLLMRollout
+torch.distributed.init_process_group("gloo")
+args = SimpleNamespace(vllm_mode="server", vllm_server_base_url=sys.argv[1], vllm_server_host="127.0.0.1",
+                       vllm_server_port=8000, vllm_group_port=51216, vllm_server_timeout=10, vllm_lora_sync="auto",
+                       vllm_enable_sleep_mode=False, max_staleness=1, world_size=2, rollout_precision="auto")
+tok = tiny_tokenizer()
+rollout = VLLMRollout("/models/tiny", tok, args, process_index=int(os.environ["RANK"]))
+try:
+    rollout.sync_weights(tiny_model(tok), step=3)
+    print("synced")
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+torch.distributed.destroy_process_group()
+'''
+
+
+def test_a_push_that_fails_on_the_main_process_is_every_ranks_error_and_none_waits(stand_in, tmp_path):
+    """Two real processes (gloo): the stand-in's workers load nothing, so the main process's push fails; the other
+    rank, which waits for it in a broadcast, raises the same cause instead of generating on older weights."""
+    import subprocess
+    from pathlib import Path
+
+    from grpokit.rollout.vllm_launch import free_port
+
+    server = stand_in()
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, server.url, tests], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lines = [out.strip().splitlines()[-1] if out.strip() else err[-400:] for out, err in outs]
+    assert lines[0].startswith(f"VLLMServerError: vLLM server at {server.url}: loading the weights failed at "
+                               "training step 3: the workers answered []"), lines
+    assert lines[1].startswith("RuntimeError: the main process could not give the vLLM server the weights of "
+                               f"training step 3: VLLMServerError: vLLM server at {server.url}"), lines
+    assert [path for path, _ in server.posts].count("/collective_rpc") == 1  # one push, by the main process

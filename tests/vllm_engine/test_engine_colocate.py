@@ -47,10 +47,11 @@ def engine_gap(llm, model: torch.nn.Module, ids: list[int]) -> float:
     return float((served - trainer).abs().max())
 
 
-def train(tmp_path, monkeypatch, *, steps: int, skip_sync_at: int | None = None, peft_config=None, **config):
+def train(tmp_path, monkeypatch, *, steps: int, skip_sync_at: int | None = None, peft_config=None, record=True,
+          **config):
     """Train ``steps`` steps with a colocated engine in float32 (the trainer's dtype); before each generation
-    (after that step's sync) record the engine/trainer gap of a fixed sequence. ``skip_sync_at``: the training step
-    whose sync is skipped."""
+    (after that step's sync) record the engine/trainer gap of a fixed sequence (``record``). ``skip_sync_at``: the
+    training step whose sync is skipped."""
     tok = load_tokenizer("smollm2-135m-instruct")
     model = load_model("smollm2-135m-instruct", dtype=torch.float32)
     args = GRPOConfig(output_dir=str(tmp_path / "run"), use_vllm=True, vllm_mode="colocate", rollout_precision="float32",
@@ -65,7 +66,8 @@ def train(tmp_path, monkeypatch, *, steps: int, skip_sync_at: int | None = None,
     generate, sync = VLLMRollout.generate, VLLMRollout.sync_weights
 
     def recording(rollout, model, *args, **kwargs):
-        gaps.append(engine_gap(rollout.llm, trainer.model, fixed))
+        if record:
+            gaps.append(engine_gap(rollout.llm, trainer.model, fixed))
         out = generate(rollout, model, *args, **kwargs)
         generated.append(out)
         return out
@@ -97,3 +99,13 @@ def test_a_lora_policy_is_folded_into_the_colocated_engine(tmp_path, monkeypatch
     trainer, gaps, _, moved, n_trainable = train(tmp_path, monkeypatch, steps=3, peft_config=lora)
     assert len(gaps) == 3 and max(gaps) < TOLERANCE, gaps
     assert len(moved) == n_trainable and all("lora_" in n for n in moved)
+
+
+def test_asynchronous_rollouts_generate_ahead_through_the_colocated_engine(tmp_path, monkeypatch):
+    """max_staleness=1: the producer thread generates batch k+1 with the engine in this process while the learner
+    trains on k; the learner pushes the weights into it between the producer's batches."""
+    trainer, _, generated, moved, n_trainable = train(tmp_path, monkeypatch, steps=4, record=False, max_staleness=1)
+    assert len(moved) == n_trainable and len(generated) >= 4
+    assert trainer.rollout.sync.version >= 2 and trainer.rollout.sync.last.kind == "full"
+    staleness = [h["sample/staleness_max"] for h in trainer.state.log_history if "sample/staleness_max" in h]
+    assert staleness and max(staleness) <= 1
