@@ -366,7 +366,7 @@ class VLLMRollout:
         if world > 1:
             torch.distributed.broadcast_object_list(result, src=0)
         completions, logps = result[0]
-        start = sum(len(p) for p in everyone[:_rank()])
+        start = sum(len(p) for p in everyone[:_rank()]) if world > 1 else 0
         return completions[start:start + len(prompts)], logps[start:start + len(prompts)]
 
     @torch.no_grad()

@@ -347,7 +347,7 @@ def per_rank_args(url: str, **changes) -> SimpleNamespace:
     return SimpleNamespace(**{**args, **changes})
 
 
-def test_asynchronous_rollouts_on_several_processes_give_every_rank_a_client_of_its_own(stand_in):
+def test_asynchronous_rollouts_on_several_processes_give_every_rank_a_client_of_its_own(stand_in, monkeypatch):
     """Each rank's producer thread sends its own prompts (no collective: none is set up here), and only the main
     process pushes weights."""
     from tiny import tiny_tokenizer
@@ -361,6 +361,7 @@ def test_asynchronous_rollouts_on_several_processes_give_every_rank_a_client_of_
     assert all(r.per_rank and isinstance(r.client, VLLMServerClient) for r in ranks)
     assert ranks[0].sync is not None and ranks[0].sync.mode == "full" and ranks[1].sync is None
     ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+    monkeypatch.setattr("grpokit.rollout.vllm_backend._rank", lambda: 1)  # this is rank 1 of 2
     out = ranks[1].generate(None, ids, (ids != 0).long(), SamplingParams(max_new_tokens=2))
     assert out.completion_ids.tolist() == [[7, 2], [7, 2]]
     sent = [body["prompt"] for path, body in server.posts if path == "/v1/completions"]

@@ -37,7 +37,8 @@ def main(url: str, out: Path) -> None:
     args = GRPOConfig(output_dir=str(out / "run"), use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                       vllm_server_timeout=300, max_steps=3, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, learning_rate=1e-4, logging_steps=1, report_to="none",
-                      save_strategy="no", gradient_checkpointing=False, seed=0, max_staleness=1)
+                      save_strategy="no", gradient_checkpointing=False, seed=0, max_staleness=1,
+                      use_cpu=True)
     trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=args, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}

@@ -23,6 +23,7 @@ WORKER = Path(__file__).resolve().parent / "ranks_worker.py"
 
 
 def test_two_ranks_generate_ahead_through_their_own_clients_and_train_alike(tmp_path):
+    (tmp_path / "engine").mkdir()
     with serve(tmp_path / "engine") as engine:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
@@ -43,4 +44,5 @@ def test_two_ranks_generate_ahead_through_their_own_clients_and_train_alike(tmp_
         assert r["moved"] == r["trainable"]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # the ranks' replicas stayed one model
     assert ranks[0]["pushes"] >= 3 and ranks[1]["pushes"] is None  # only the main process pushes
-    print("final engine/trainer gaps:", [r["final_gap"] for r in ranks], "pushes:", ranks[0]["pushes"])
+    # the last step's push reached the engine: it holds the weights both ranks ended with (measured ~1.5e-5)
+    assert max(r["final_gap"] for r in ranks) < TOLERANCE, [r["final_gap"] for r in ranks]
