@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
@@ -401,7 +402,19 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
         self.pad_to_multiple_of = None  # "auto" (TRL: 128 on AWS Neuron, else None), "none", "null": checked above
         super().__post_init__()
         self._derive_batches()
+        self._check_launch()
         self._warn_combinations()
+
+    def _check_launch(self) -> None:
+        """A launcher that started several processes (torchrun, accelerate: ``WORLD_SIZE``) must get a run of that
+        many. On a machine without an accelerator transformers sets up a single-process run unless ``use_cpu=True``
+        (TRL's config does the same), and each process would then train alone, meeting the others only at the run's
+        directory."""
+        launched = os.environ.get("WORLD_SIZE", "")
+        if launched.isdigit() and int(launched) > 1 and self.world_size == 1:
+            raise refusal("use_cpu", self.use_cpu, f"True on a machine without an accelerator (--use_cpu on the "
+                          f"command line): transformers set up a single-process run here, so each of the {launched} "
+                          "processes would train alone", when=f"under a launcher of {launched} processes (WORLD_SIZE)")
 
     def _map_checkpointing_names(self) -> None:
         """TRL users write gradient_checkpointing; newer transformers (5.25) calls it activation_checkpointing, older
