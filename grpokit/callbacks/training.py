@@ -6,7 +6,7 @@ import time
 
 from transformers import TrainerCallback
 
-from ..bounds.process_group import any_process
+from ..bounds.process_group import max_over_processes
 from .stall import StallWatchdog
 
 
@@ -52,16 +52,32 @@ class TimeBudget(TrainerCallback):
     """Stop training before ``seconds`` of training wall time are used up: after each optimizer step, stop when
     another step as long as the slowest of the last few would overrun the budget. Under data parallelism every
     process stops when any one would (each reads its own clock; a process that stopped alone would leave the others
-    waiting in their next collective)."""
+    waiting in their next collective).
 
-    def __init__(self, seconds: float):
+    With ``schedule`` (the job's ``lr_schedule_clock: budget``) the learning-rate schedule also runs on this clock
+    (:mod:`grpokit.training.budget_schedule`): after the warmup it is evaluated at the further along of the steps
+    done and the budget's time spent, projected to the start of the step whose rate is being set (the scheduler
+    sets a step's rate at the end of the step before it, and this share is measured one step earlier still), as the
+    step counter gives a step's rate by the steps done before it; so the steps the budget holds cover the whole
+    schedule, the last at its end. Every process uses the largest share any process measured, so the replicas keep one rate."""
+
+    def __init__(self, seconds: float, schedule: bool = False):
         self.seconds = seconds
+        self.schedule = schedule
         self.start: float | None = None
         self.last: float | None = None
         self.recent: list[float] = []
+        self.warmup_end: float | None = None  # when the warmup's last step ended (or training began after it)
+        self.fraction = 0.0  # the share of the budget after the warmup spent when the step after the next begins
 
-    def on_train_begin(self, args, state, control, **kw):
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):
         self.start = self.last = time.perf_counter()
+        self.recent, self.warmup_end, self.fraction = [], None, 0.0
+        if self.schedule:
+            from ..training.budget_schedule import run_on_budget_clock
+
+            self.warmup_steps = args.get_warmup_steps(state.max_steps)
+            run_on_budget_clock(lr_scheduler, self.warmup_steps, state.max_steps, lambda: self.fraction)
 
     def on_step_end(self, args, state, control, **kw):
         if self.start is None:
@@ -69,6 +85,18 @@ class TimeBudget(TrainerCallback):
         now = time.perf_counter()
         self.recent = (self.recent + [now - self.last])[-5:]
         self.last = now
-        if any_process(now - self.start + max(self.recent) > self.seconds, args.device):
+        stop = now - self.start + max(self.recent) > self.seconds
+        fraction = 0.0
+        if self.schedule:
+            if self.warmup_end is None and state.global_step >= self.warmup_steps:
+                self.warmup_end = now
+            if self.warmup_end is not None:
+                # the scheduler has set the next step's rate already: this share is for the step after it, which
+                # starts when the next one ends
+                step = sorted(self.recent)[len(self.recent) // 2]
+                left = self.start + self.seconds - self.warmup_end
+                fraction = (now + step - self.warmup_end) / left if left > 0 else 1.0
+        stop, self.fraction = max_over_processes([float(stop), fraction], args.device)
+        if stop:
             control.should_training_stop = True
         return control
