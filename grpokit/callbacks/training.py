@@ -67,17 +67,21 @@ class TimeBudget(TrainerCallback):
         self.start: float | None = None
         self.last: float | None = None
         self.recent: list[float] = []
-        self.warmup_end: float | None = None  # when the warmup's last step ended (or training began after it)
-        self.fraction = 0.0  # the share of the budget after the warmup spent when the step after the next begins
+        self.clock_from = 0  # the step the schedule's clock starts at (the warmup's end, or a resumed run's start)
+        self.clock_start: float | None = None  # when that step ended (or training began, resumed after it)
+        self.fraction = 0.0  # the share of the budget after clock_from spent when the step after the next begins
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):
         self.start = self.last = time.perf_counter()
-        self.recent, self.warmup_end, self.fraction = [], None, 0.0
+        self.recent, self.clock_start, self.fraction = [], None, 0.0
         if self.schedule:
             from ..training.budget_schedule import run_on_budget_clock
 
-            self.warmup_steps = args.get_warmup_steps(state.max_steps)
-            run_on_budget_clock(lr_scheduler, self.warmup_steps, state.max_steps, lambda: self.fraction)
+            # from the warmup's end; a run resumed after it (its budget counts afresh) from its first step
+            self.clock_from = max(args.get_warmup_steps(state.max_steps), state.global_step)
+            if state.global_step >= self.clock_from:
+                self.clock_start = self.start
+            run_on_budget_clock(lr_scheduler, self.clock_from, state.max_steps, lambda: self.fraction)
 
     def on_step_end(self, args, state, control, **kw):
         if self.start is None:
@@ -88,14 +92,14 @@ class TimeBudget(TrainerCallback):
         stop = now - self.start + max(self.recent) > self.seconds
         fraction = 0.0
         if self.schedule:
-            if self.warmup_end is None and state.global_step >= self.warmup_steps:
-                self.warmup_end = now
-            if self.warmup_end is not None:
+            if self.clock_start is None and state.global_step >= self.clock_from:
+                self.clock_start = now
+            if self.clock_start is not None:
                 # the scheduler has set the next step's rate already: this share is for the step after it, which
                 # starts when the next one ends
                 step = sorted(self.recent)[len(self.recent) // 2]
-                left = self.start + self.seconds - self.warmup_end
-                fraction = (now + step - self.warmup_end) / left if left > 0 else 1.0
+                left = self.start + self.seconds - self.clock_start
+                fraction = (now + step - self.clock_start) / left if left > 0 else 1.0
         stop, self.fraction = max_over_processes([float(stop), fraction], args.device)
         if stop:
             control.should_training_stop = True

@@ -18,23 +18,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def budget_schedule_step(step: float, warmup_steps: int, max_steps: int, time_fraction: float) -> float:
+def budget_schedule_step(step: float, clock_from: int, max_steps: int, time_fraction: float) -> float:
     """The step at which a schedule written for ``max_steps`` steps is evaluated at optimizer step ``step`` when it
-    also runs on a time budget::
+    also runs on a time budget whose clock starts at step ``clock_from``::
 
-        s' = s                                         for s < W
-        s' = min(S, W + max(s − W, (S − W) · f))       otherwise
+        s' = s                                         for s < C
+        s' = min(S, C + max(s − C, (S − C) · f))       otherwise
 
-    with ``W`` the warmup steps, ``S`` ``max_steps`` and ``f`` ∈ [0, 1] the share of the budget's time after the
-    warmup spent by the end of this step (clipped). So ``s' ≥ s``: the schedule is never behind the step counter,
-    and reaches its end ``S`` when the budget runs out, whichever comes first."""
-    if step < warmup_steps or max_steps <= warmup_steps:
+    with ``C`` = ``clock_from`` (the warmup's last step ``W``; a run resumed later, with a budget of its own, its first
+    step), ``S`` = ``max_steps`` and ``f`` ∈ [0, 1] the share of the budget's time after ``C`` spent (clipped). So
+    ``s' ≥ s``: the schedule is never behind the step counter, and reaches its end ``S`` when the budget runs out,
+    whichever comes first."""
+    if step < clock_from or max_steps <= clock_from:
         return step
     f = min(1.0, max(0.0, time_fraction))
-    return min(float(max_steps), warmup_steps + max(step - warmup_steps, (max_steps - warmup_steps) * f))
+    return min(float(max_steps), clock_from + max(step - clock_from, (max_steps - clock_from) * f))
 
 
-def run_on_budget_clock(scheduler, warmup_steps: int, max_steps: int, time_fraction: Callable[[], float]) -> None:
+def run_on_budget_clock(scheduler, clock_from: int, max_steps: int, time_fraction: Callable[[], float]) -> None:
     """Make ``scheduler`` (a ``LambdaLR``: what transformers' ``get_scheduler`` builds for every schedule type but
     ``reduce_lr_on_plateau``) evaluate its schedule at :func:`budget_schedule_step` of each step, with
     ``time_fraction()`` read when the scheduler steps. Its state (``last_epoch``) is unchanged, so a checkpoint saves
@@ -47,7 +48,7 @@ def run_on_budget_clock(scheduler, warmup_steps: int, max_steps: int, time_fract
 
     def on_budget(schedule):
         def rate(step):
-            return schedule(budget_schedule_step(step, warmup_steps, max_steps, time_fraction()))
+            return schedule(budget_schedule_step(step, clock_from, max_steps, time_fraction()))
         return rate
 
     scheduler.lr_lambdas = [on_budget(f) for f in lambdas]

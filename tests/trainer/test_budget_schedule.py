@@ -20,7 +20,7 @@ from grpokit.training.budget_schedule import budget_schedule_step, run_on_budget
 
 
 def test_the_schedule_step_is_the_further_along_of_steps_and_time_after_the_warmup():
-    # W = 10, S = 130: the warmup counts steps whatever the clock says
+    # C = 10 (the warmup's end), S = 130: the warmup counts steps whatever the clock says
     assert budget_schedule_step(3, 10, 130, 0.9) == 3
     assert budget_schedule_step(9, 10, 130, 1.0) == 9
     # after it: time ahead of the steps moves the schedule on, steps ahead of the time keep it by steps
@@ -63,17 +63,20 @@ def test_a_scheduler_without_step_lambdas_is_refused_in_one_line():
         run_on_budget_clock(plateau, 0, 10, lambda: 0.0)
 
 
-def run_callback(monkeypatch, budget, step_seconds, max_steps=130):
+def run_callback(monkeypatch, budget, step_seconds, max_steps=130, resumed_at=0):
     """The callback with a scheduler, on a fake clock: (the rate of each step, the step training stopped at)."""
     clock = [0.0]
     monkeypatch.setattr(training.time, "perf_counter", lambda: clock[0])
     scheduler, control = wsd(max_steps), TrainerControl()
+    for _ in range(resumed_at):  # as a checkpoint restores it: the steps done
+        scheduler.optimizer.step()
+        scheduler.step()
     args = types.SimpleNamespace(device="cpu", get_warmup_steps=lambda n: 10)
-    state = types.SimpleNamespace(max_steps=max_steps, global_step=0)
+    state = types.SimpleNamespace(max_steps=max_steps, global_step=resumed_at)
     cb = TimeBudget(budget, schedule=True)
     cb.on_train_begin(args, state, control, lr_scheduler=scheduler)
     rates = []
-    for step in range(1, max_steps + 1):
+    for step in range(resumed_at + 1, max_steps + 1):
         rates.append(scheduler.get_last_lr()[0])  # the rate this step trains with
         clock[0] += step_seconds
         scheduler.optimizer.step()
@@ -93,6 +96,13 @@ def test_a_budget_that_ends_first_compresses_the_schedule_to_its_end(monkeypatch
     assert all(b <= a for a, b in zip(decay, decay[1:]))  # never rises after the warmup
     assert rates[-1] < 0.05 * peak  # the last step at the schedule's end, as step 130 is by steps
     assert rates[40] < peak  # already decaying where the steps alone would hold it (step 50)
+
+
+def test_a_resumed_run_spreads_what_is_left_over_its_own_budget(monkeypatch):
+    rates, stopped = run_callback(monkeypatch, 140, 7.0, resumed_at=60)  # 20 more steps fit, 70 are left
+    assert stopped == 80
+    assert rates[0] == wsd_rates()[60]  # it goes on from the step it resumed at
+    assert all(b <= a for a, b in zip(rates, rates[1:])) and rates[-1] < 0.1 * max(wsd_rates())
 
 
 def test_a_budget_that_ends_after_max_steps_changes_nothing(monkeypatch):
