@@ -30,7 +30,6 @@ DEMO_SPEC: dict[str, Any] = {
     "eval": {"n": 128, "before": True, "after": True, "max_new_tokens": 48, "greedy": True, "batch_size": 128,
              "every_steps": 10},
     "time_budget_s": 550,
-    "lr_schedule_clock": "budget",
     "learning_rate": 5e-4,
     "lr_scheduler_type": "warmup_stable_decay",
     "warmup_steps": 10,
@@ -218,8 +217,6 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
         for name in set(DYNAMIC_SAMPLING_OPTIONS) - set(overrides):
             spec.pop(name, None)
-    if spec.get("time_budget_s") is None and spec.get("finish_within_s") is None and "lr_schedule_clock" not in overrides:
-        spec.pop("lr_schedule_clock", None)  # no budget to follow (time_budget_s=null): the schedule by steps
     dtype = (spec.get("model_init_kwargs") or {}).get("dtype", "float32")
     budget = spec.get("time_budget_s")
     shown = f"{budget:g}" if isinstance(budget, (int, float)) else budget

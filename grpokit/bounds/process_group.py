@@ -31,21 +31,15 @@ def distributed_initialized() -> bool:
 def any_process(flag: bool, device=None) -> bool:
     """``flag`` or-ed over every process of the default process group (a MAX all-reduce of one number on ``device``,
     the collective backend's device), so every process takes the same branch; just ``flag`` in a single process."""
-    return bool(max_over_processes([float(flag)], device)[0])
-
-
-def max_over_processes(values: list[float], device=None) -> list[float]:
-    """Each of ``values`` maximised over every process of the default process group (one MAX all-reduce on
-    ``device``), so every process goes on with the same numbers; ``values`` themselves in a single process."""
     if not distributed_initialized():
-        return list(values)
+        return flag
     import torch
 
     if torch.distributed.get_world_size() == 1:
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float32, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return tensor.tolist()
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def stop_together(cause: str | None, device=None) -> None:

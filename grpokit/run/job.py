@@ -528,7 +528,7 @@ class _JobRun:
         trainer.add_callback(metrics)
         trainer.add_callback(ProgressCallback(quiet=self.quiet, time_budget_s=budget))
         if budget:
-            trainer.add_callback(TimeBudget(float(budget), schedule=self.job.get("lr_schedule_clock") == "budget"))
+            trainer.add_callback(TimeBudget(float(budget)))
         if self.ev.get("every_steps") and self.task.eval_dataset is not None:
             def evaluate_during(model):  # with ema_decay, the averaged weights: what the run would deliver now
                 with trainer.averaged_weights():

@@ -26,10 +26,6 @@ JOB_KEYS = {
             "(32 prompts generated together), every_steps "
             "(also every this many steps during training; default none)",
     "time_budget_s": "stop training after this many seconds of training wall time",
-    "lr_schedule_clock": "steps (default): the learning-rate schedule follows the step counter; budget: after the "
-                         "warmup it follows whichever is further along, the steps (of max_steps) or the training time "
-                         "(of the training time time_budget_s and finish_within_s leave), so a run the budget "
-                         "stops early still ends at the schedule's end",
     "finish_within_s": "end the whole job, evaluations included, within this many seconds of started_at: training "
                        "stops early enough for what comes after it",
     "started_at": "when the clock of finish_within_s started, in seconds since the epoch (default: the job's start; "
@@ -116,12 +112,6 @@ def check_job_keys(job: dict[str, Any]) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
             raise check.bad(key, "expected a positive number of seconds")
-    clock = job.get("lr_schedule_clock")
-    if clock is not None:
-        check.choice("lr_schedule_clock", ("steps", "budget"))
-        if clock == "budget" and job.get("time_budget_s") is None and job.get("finish_within_s") is None:
-            raise check.bad("lr_schedule_clock", "'steps', or set time_budget_s (the clock 'budget' follows)",
-                            when="without time_budget_s or finish_within_s")
 
 
 def check_eval(ev: dict[str, Any]) -> None:
