@@ -224,7 +224,9 @@ class VLLMServerClient:
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The engine's log-prob of each token of ``ids`` after the first, given the ones before it (at
-        temperature 1, the full distribution): how a test sees which weights the engine holds."""
+        temperature 1, the full distribution): how a test sees which weights the engine holds. Call it while nothing
+        else generates: vLLM's CPU build (0.32) with LoRA serving on stops its engine when a prompt log-probs request
+        shares a step with a generation."""
         body = {"model": self.adapter or self.model_id, "prompt": [ids], "max_tokens": 1, "temperature": 0.0,
                 "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
         out = self._request("POST", "/v1/completions", body, doing="scoring a sequence")

@@ -43,3 +43,11 @@ def serve(tmp: Path, **changes):
     for key, value in changes.items():
         setattr(opts, key, value)
     return running_server(opts, log=tmp / "server.log", start_timeout_s=900)
+
+
+def engine_error(log: Path) -> str:
+    """The first error a server's log holds (the root cause, before vLLM's "see the stack trace above" lines), for a
+    failed test's message: the server's log is otherwise left in the test's temporary folder."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    first = next((line for line in lines if "Error:" in line), "")
+    return f"\nthe server's first error ({log}): {first.split('] ', 1)[-1][:400]}" if first else ""

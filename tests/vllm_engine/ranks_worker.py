@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from datasets import Dataset
 
 from grpokit import GRPOConfig, GRPOTrainer
@@ -21,6 +22,21 @@ PROMPTS = ["What is 3 + 4?", "Name a colour.", "Count to three.", "Say hello."]
 
 def distinct_tokens(completions, **kwargs):
     return [float(len(set(c.split()))) for c in completions]
+
+
+def score_in_turn(client: VLLMServerClient, ids: list[int], rank: int) -> torch.Tensor:
+    """The engine's log-probs of ``ids``, once no rank generates: every rank's producer has stopped (the barrier after
+    ``train()``; a rank that finished first would otherwise score while the other's producer still finishes a batch
+    it generated ahead), and the ranks score one after the other. vLLM's CPU build with LoRA serving on (0.32) stops
+    its engine when a request for prompt log-probs shares a step with a generation (its LoRA logits layer is handed
+    the sampled rows' mapping for the prompt's rows: an einsum size mismatch)."""
+    dist.barrier()
+    served = None
+    for turn in range(dist.get_world_size()):
+        if turn == rank:
+            served = torch.tensor(client.prompt_logprobs(ids))
+        dist.barrier()
+    return served
 
 
 def main(url: str, out: Path) -> None:
@@ -46,7 +62,7 @@ def main(url: str, out: Path) -> None:
     params = dict(trainer.model.named_parameters())
     rank = trainer.accelerator.process_index
     fixed = tok("The capital of France is Paris, and the capital of Italy is Rome.").input_ids
-    served = torch.tensor(trainer.rollout.client.prompt_logprobs(fixed))
+    served = score_in_turn(trainer.rollout.client, fixed, rank)
     with torch.no_grad():
         logps = trainer.model(input_ids=torch.tensor([fixed])).logits[0, :-1].float().log_softmax(-1)
     own = logps.gather(-1, torch.tensor(fixed[1:]).unsqueeze(-1)).squeeze(-1)

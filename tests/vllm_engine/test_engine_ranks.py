@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engines import MARKS, serve
+from engines import MARKS, engine_error, serve
 
 TOLERANCE = 5e-3
 """As in test_engine.py: the engine's and the trainer's log-probs with the same float32 weights."""
@@ -35,7 +35,7 @@ def test_two_ranks_generate_ahead_through_their_own_clients_and_train_alike(tmp_
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-        assert proc.returncode == 0, err[-4000:]
+        assert proc.returncode == 0, err[-4000:] + engine_error(tmp_path / "engine" / "server.log")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["per_rank"] and r["steps"] == 3
