@@ -349,7 +349,7 @@ def cmd_vllm_serve(ns: argparse.Namespace) -> int:
             print(f"grpokit vllm-serve: {ns.model} at {server.url}; train with use_vllm=True, vllm_mode='server', "
                   f"vllm_server_base_url='{server.url}' (Ctrl-C stops it)", flush=True)
             return server.process.wait()
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # a server that did not start; a precision this CPU cannot serve
         raise JobError(str(e)) from None
 
 

@@ -17,6 +17,7 @@ Both engines are optional: ``pip install grpokit[vllm]`` (and ``trl`` for TRL's 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -212,6 +213,10 @@ class VLLMRollout:
 
     @staticmethod
     def _make_llm(model_name_or_path: str, args, process_index: int):
+        if getattr(args, "rollout_precision", "auto") == "int8" and not torch.cuda.is_available():
+            from .fp8_kernel import check_fp8_serving
+
+            check_fp8_serving(sys.executable)  # refused in one line where its 8-bit products would crawl
         try:
             from vllm import LLM
         except ImportError as e:

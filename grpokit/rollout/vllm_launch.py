@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .fp8_kernel import check_fp8_serving
 from .vllm_server import WORKER_EXTENSION
 
 
@@ -182,6 +183,8 @@ def running_server(opts: ServeOptions, *, start_timeout_s: float = 600.0, log: P
     exception included, and remove the shared memory it leaves behind if it was killed; a signal that ends this
     process ends the server too (``PR_SET_PDEATHSIG``). ``log``: a file for its output; ``show_output``: this
     process's stdout instead; neither: discarded."""
+    if opts.rollout_precision == "int8":  # refused in one line where its products would crawl (fp8_kernel.py)
+        check_fp8_serving(opts.python)
     if port_in_use(opts.host, opts.port):
         raise RuntimeError(f"port {opts.port} on {opts.host} is in use: pick another with --port (vllm_server_port)")
     argv, env = server_command(opts)

@@ -5,23 +5,53 @@ engine (its weights are quantised again as they load)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from datasets import Dataset
-from engines import MARKS, serve
+from engines import MARKS, VLLM_PYTHON, serve
 from test_engine import PROMPTS, distinct_tokens, train
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.models import load_model, load_tokenizer
+from grpokit.rollout.fp8_kernel import fp8_matmul_kernel
+from grpokit.rollout.vllm_launch import free_port
 from grpokit.rollout.vllm_server import VLLMServerError
 
 pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
-def int8_engine(tmp_path_factory):
+def fp8_kernel():
+    """The oneDNN kernel vLLM's environment multiplies the 8-bit weights on (None: not oneDNN's)."""
+    return fp8_matmul_kernel(str(VLLM_PYTHON))
+
+
+@pytest.fixture(scope="module")
+def int8_engine(tmp_path_factory, fp8_kernel):
+    if fp8_kernel is not None and fp8_kernel.startswith("ref"):
+        pytest.skip(f"vLLM's 8-bit products run on oneDNN's reference loop on this CPU ({fp8_kernel}), where grpokit "
+                    "refuses rollout_precision='int8' for vLLM (the test below)")
     with serve(tmp_path_factory.mktemp("vllm-int8"), rollout_precision="int8", enable_lora=False) as server:
         yield server
+
+
+def test_int8_is_refused_in_one_line_where_the_engine_would_multiply_on_onednns_reference_loop(fp8_kernel):
+    """Through the command users run, against the vLLM environment's own torch: where its fp8 product is oneDNN's
+    reference loop (a 2-core Xeon with AVX512-FP16: vLLM made about a token a minute), ``grpokit vllm-serve
+    --rollout-precision int8`` exits with one line and starts no server."""
+    if fp8_kernel is None or not fp8_kernel.startswith("ref"):
+        pytest.skip(f"vLLM's 8-bit products do not run on oneDNN's reference loop here ({fp8_kernel}): int8 is served")
+    cmd = [sys.executable, "-m", "grpokit.cli", "vllm-serve", "--model", "smollm2-135m-instruct", "--port",
+           str(free_port()), "--rollout-precision", "int8", "--python", str(VLLM_PYTHON)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # a hang guard (the probe takes seconds)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
+    assert err[0].startswith("grpokit: error: rollout_precision='int8' is not allowed with vLLM on this CPU: use "
+                             "'bf16' or 'auto'") and fp8_kernel in err[0]
+    assert "Starting vLLM" not in done.stdout + done.stderr
 
 
 def mean_gap(client, model, ids: list[int]) -> float:
