@@ -135,9 +135,12 @@ unpickles that over a private pipe, and the trainer unpickles the batches its ow
 network or a model's output is unpickled: a worker runs the user's code with the trust it has in the trainer's
 process."""
 
-VLLM_SERVER_EXCEPTIONS = {"grpokit/rollout/vllm_launch.py: import subprocess"}
+VLLM_SERVER_EXCEPTIONS = {"grpokit/rollout/vllm_launch.py: import subprocess",
+                          "grpokit/rollout/fp8_kernel.py: import subprocess"}
 """``grpokit vllm-serve`` starts vLLM's own server: an argument list (the configured Python, ``-m
-vllm.entrypoints.openai.api_server`` and flags), never a shell; nothing it reads is executed."""
+vllm.entrypoints.openai.api_server`` and flags), never a shell; nothing it reads is executed. Before serving int8,
+``fp8_kernel.py`` runs the same Python on grpokit's own fixed probe (``-c`` and a constant script, an argument list)
+and only reads the kernel's name from oneDNN's log."""
 
 
 def test_the_package_executes_nothing_it_reads():
