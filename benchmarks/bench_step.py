@@ -32,7 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS, G, NEW_TOKENS = 8, 4, 48
 
 
-def child(side: str, steps: int, seed: int, threads: int = 0, lora: bool = False, dtype: str = "float32") -> dict:
+def child(side: str, steps: int, seed: int, threads: int = 0, lora: bool = False, dtype: str = "float32",
+          rollout_precision: str = "auto") -> dict:
     sys.path.insert(0, os.environ.get("GRPOKIT_SRC") or os.path.dirname(HERE))
     import torch
 
@@ -64,6 +65,8 @@ def child(side: str, steps: int, seed: int, threads: int = 0, lora: bool = False
         # TRL 1.16 on transformers 5 rejects warmup_ratio and needs gradient_checkpointing=False (set above)
     else:
         from grpokit import GRPOConfig, GRPOTrainer
+
+        common["rollout_precision"] = rollout_precision
     peft = None
     if lora:
         from peft import LoraConfig
@@ -126,13 +129,16 @@ def child(side: str, steps: int, seed: int, threads: int = 0, lora: bool = False
 
 
 def run_child(side: str, steps: int, seed: int, before: str | None = None, threads: int = 0, lora: bool = False,
-              dtype: str = "float32") -> dict:
+              dtype: str = "float32", rollout_precision: str = "auto") -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if side == "grpokit-before":
         env["GRPOKIT_SRC"] = before
     child_side = "grpokit" if side.startswith("grpokit") else side
+    if "@" in side:  # grpokit@float32: grpokit with that rollout_precision
+        rollout_precision = side.split("@", 1)[1]
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", child_side, "--steps", str(steps),
-                          "--seed", str(seed), "--threads", str(threads), "--dtype", dtype]
+                          "--seed", str(seed), "--threads", str(threads), "--dtype", dtype,
+                          "--rollout-precision", rollout_precision]
                          + (["--lora"] if lora else []), capture_output=True, text=True, env=env,
                          cwd=HERE)
     if out.returncode != 0:
@@ -154,17 +160,20 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--sides", default="grpokit,trl")
+    ap.add_argument("--sides", default="grpokit,trl", help="comma-separated: grpokit, trl, and grpokit@P for grpokit "
+                    "with rollout_precision P")
     ap.add_argument("--before", help="a checkout of grpokit before a change: adds the side 'grpokit-before'")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per child (0: torch's default)")
     ap.add_argument("--lora", action="store_true", help="LoRA r16/α32 on every linear layer (the demo's), both sides")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
+    ap.add_argument("--rollout-precision", default="auto", choices=["auto", "float32", "bf16", "int8"],
+                    help="grpokit's rollout_precision (its sampler then corrects the mismatch; TRL samples as it trains)")
     ap.add_argument("--save", help="append every run's JSON to this file")
     ap.add_argument("--load", help="summarize the runs saved in this file (with --save) instead of running")
     ap.add_argument("--command", help="with --load: the command that produced the saved runs, for RESULTS.md")
     args = ap.parse_args()
     if args.child:
-        res = child(args.child, args.steps, args.seed, args.threads, args.lora, args.dtype)
+        res = child(args.child, args.steps, args.seed, args.threads, args.lora, args.dtype, args.rollout_precision)
         res["side"] = "grpokit-before" if os.environ.get("GRPOKIT_SRC") else args.child
         print(json.dumps(res))
         return
@@ -177,7 +186,9 @@ def main():
         results = {s: v for s, v in results.items() if v}
     for r in range(0 if args.load else args.runs):
         for side in (sides if r % 2 == 0 else list(reversed(sides))):
-            res = run_child(side, args.steps, args.seed, args.before, args.threads, args.lora, args.dtype)
+            res = run_child(side, args.steps, args.seed, args.before, args.threads, args.lora, args.dtype,
+                            args.rollout_precision)
+            res["side"] = side
             results[side].append(res)
             if args.save:
                 with open(args.save, "a") as f:
@@ -207,7 +218,9 @@ def main():
         command = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
         if args.load:  # write_section adds the outer quotes
             command = f"{args.command or command}` (runs saved with `--save`), summarised with `--load"
-        setting = ", ".join(([] if not args.lora else ["LoRA r16"]) + ([] if args.dtype == "float32" else [args.dtype]))
+        setting = ", ".join(([] if not args.lora else ["LoRA r16"]) + ([] if args.dtype == "float32" else [args.dtype])
+                            + ([] if args.rollout_precision == "auto" else
+                               [f"grpokit sampling in {args.rollout_precision}"]))
         write_section("GRPO step on SmolLM2-135M" + (f" ({setting})" if setting else ""), command.strip(), text)
 
 

@@ -39,13 +39,16 @@ class RolloutBatch:
     num_items_in_batch: torch.Tensor
     """() loss tokens of the whole generation batch on all ranks (the ``global_token_mean`` normaliser)."""
     old_logps: torch.Tensor | None = None
-    """(N, C) log-probs under the policy that generated the batch, when data is reused or the sampler differs."""
+    """(N, C) log-probs under the policy that generated the batch, when it is not the one the loss runs: data reused
+    over several steps, an asynchronous batch, or a Mixture-of-Experts sampler whose routes are replayed. None with
+    :attr:`sampler_logps` set: the loss's own forward is the trainer's side of the sampler mismatch."""
     ref_logps: torch.Tensor | None = None
     """(N, C) log-probs under the reference model (``beta != 0``)."""
     sampler_logps: torch.Tensor | None = None
-    """(N, C) the rollout engine's own log-probs (vLLM)."""
+    """(N, C) the sampler's own log-probs of its tokens (vLLM, copies in another ``rollout_precision``)."""
     sampler_ratio: torch.Tensor | None = None
-    """(N, C) or (N, 1) the engine/trainer mismatch ratio ``ρ``."""
+    """(N, C) or (N, 1) the engine/trainer mismatch ratio ``ρ``, where :attr:`old_logps` gave it (else the loss
+    computes it from its own forward)."""
     tool_mask: torch.Tensor | None = None
     """(N, C) 0 on completion tokens the model did not generate (tool results): they are context for the forward but
     take no part in the loss, the entropy or the lengths."""

@@ -25,7 +25,9 @@ from accelerate.utils import gather_object
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from .algorithms import LossScale, LossSettings, policy_loss
+from .algorithms.importance import SamplerCorrection
 from .algorithms.masks import high_entropy_mask, off_policy_sequence_mask
+from .algorithms.sampling_support import SamplingSupport
 from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import install_hooks
 from .config import GRPOConfig
@@ -349,11 +351,22 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         mask = inputs.loss_mask.float()
         aux = [] if self.router_aux_loss_coef else None
         bonus = self.entropy_bonus
+        # a sampler's log-probs and no behaviour policy's: this forward is the policy that sampled (on-policy), and
+        # the mismatch between the two is measured here (pipeline/finishing.py leaves it to this forward)
+        measures_mismatch = inputs.sampler_logps is not None and inputs.old_logps is None
+        support = SamplingSupport.from_config(a) if measures_mismatch else None
+        on_support: list | None = [] if support is not None and support.truncates else None
         logps, entropies = completion_logps(
             model, inputs.prompt_ids, inputs.prompt_mask, inputs.completion_ids, inputs.completion_mask,
             temperature=a.temperature, compute_entropy=True, entropy_grad=bonus.enabled, aux_losses=aux,
-            vision=inputs.vision,
+            vision=inputs.vision, support=support, on_support=on_support,
         )
+        sampler_ratio = inputs.sampler_ratio
+        if measures_mismatch:  # rows are whole here: the sequence modes see whole sequences
+            sampler_ratio, mismatch = SamplerCorrection.from_config(a)(
+                on_support[0] if on_support else logps.detach(), inputs.sampler_logps, inputs.loss_mask)
+            for name, value in mismatch.items():
+                self.record_metric(f"sampling/{name}", value, mode)
         self.moe.record_metrics(logps, inputs, lambda name, value: self.record_metric(name, value, mode))
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
         scale = LossScale(max_completion_length=a.max_completion_length, num_items_in_batch=inputs.num_items_in_batch,
@@ -363,7 +376,7 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         gather = self._gather_entropies if self.accelerator.num_processes > 1 else None
         out = policy_loss(
             logps, inputs.old_logps, inputs.advantages, mask, self.loss_settings, scale=scale,
-            ref_logps=inputs.ref_logps, sampler_ratio=inputs.sampler_ratio, sampler_logps=inputs.sampler_logps,
+            ref_logps=inputs.ref_logps, sampler_ratio=sampler_ratio, sampler_logps=inputs.sampler_logps,
             entropies=entropies, entropy_gather=gather,
         )
         loss = out.loss

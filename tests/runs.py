@@ -3,6 +3,7 @@ settings of a short CPU run on the tiny model (tests/tiny.py), and small readers
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -51,3 +52,31 @@ def train_logs(trainer) -> list[dict]:
 
 def params_of(model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
+
+
+
+@contextlib.contextmanager
+def first_loss_inputs(trainer):
+    """While in the block (a ``trainer.train()``), the first call of ``GRPOTrainer.compute_loss`` is recorded into
+    the dict yielded: ``batch``, the micro-batch it took, and what it handed the policy loss (its keyword arguments,
+    with ``logps`` detached and ``old_logps``)."""
+    import grpokit.trainer as module
+
+    seen: dict = {}
+    real_loss, real_compute = module.policy_loss, trainer.compute_loss
+
+    def recording(logps, old_logps, advantages, mask, settings, **kw):
+        if "logps" not in seen:
+            seen.update(kw, logps=logps.detach(), old_logps=old_logps)
+        return real_loss(logps, old_logps, advantages, mask, settings, **kw)
+
+    def compute_loss(model, inputs, *args, **kw):
+        seen.setdefault("batch", inputs)
+        return real_compute(model, inputs, *args, **kw)
+
+    module.policy_loss, trainer.compute_loss = recording, compute_loss
+    try:
+        yield seen
+    finally:
+        module.policy_loss = real_loss
+        del trainer.compute_loss

@@ -7,6 +7,7 @@ Pure torch; shapes: ``B`` rows, ``T`` padded completion tokens.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -124,3 +125,46 @@ def sampler_mismatch_metrics(old_logps: torch.Tensor, sampler_logps: torch.Tenso
         out["masked_token_frac"] = zero.sum() / valid.sum()
         out["masked_sequence_frac"] = ((zero.sum(-1) == valid.sum(-1)) & rows).sum() / rows.sum().clamp_min(1)
     return out
+
+
+
+@dataclass(frozen=True)
+class SamplerCorrection:
+    """The sampler correction a run asks for (TRL's ``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min``,
+    ``_clip_max``), applied to one batch by calling it."""
+
+    correct: bool = True
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+
+    @classmethod
+    def from_config(cls, args) -> SamplerCorrection:
+        return cls(args.vllm_importance_sampling_correction, args.vllm_importance_sampling_mode,
+                   args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+
+    def __call__(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """One batch's sampler/trainer mismatch: the correction's weights ``ρ`` (:func:`sampler_importance_ratio`;
+        None when not ``correct``) and what is logged of it, by name under ``sampling/``:
+
+        - ``sampling_logp_difference/mean|max``: ``|old - lp_sampler|`` over the valid tokens the sampler scored;
+        - :func:`sampler_mismatch_metrics` (the mismatch KL, the token ratio's quantiles, the masked shares);
+        - with ``ρ``: ``importance_sampling_ratio/min|mean|max`` over the valid tokens (a sequence mode: the rows).
+
+        ``trainer_logps``: the behaviour policy's on the sampler's support (``old``); ``mask``: the loss's tokens."""
+        mask = mask.float()
+        rho = (sampler_importance_ratio(trainer_logps, sampler_logps, mask, self.mode, self.clip_min, self.clip_max)
+               if self.correct else None)
+        valid = mask.bool()
+        gap = (trainer_logps - sampler_logps)[valid].abs()
+        gap = gap[~torch.isnan(gap)]  # tokens the sampler could not score
+        zero = gap.new_zeros(())
+        out = {"sampling_logp_difference/mean": gap.mean() if gap.numel() else zero,
+               "sampling_logp_difference/max": gap.max() if gap.numel() else zero}
+        out.update(sampler_mismatch_metrics(trainer_logps, sampler_logps, mask, rho))
+        if rho is not None:
+            kept = (rho.expand_as(valid)[valid] if rho.shape[-1] != 1 else rho.flatten()).float()
+            for stat in ("min", "mean", "max"):
+                out[f"importance_sampling_ratio/{stat}"] = getattr(kept, stat)() if kept.numel() else kept.new_zeros(())
+        return rho, out

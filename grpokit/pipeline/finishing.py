@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..algorithms.advantages import group_advantages
-from ..algorithms.importance import sampler_importance_ratio, sampler_mismatch_metrics
+from ..algorithms.importance import SamplerCorrection
 from ..algorithms.masked import nanstd
 from ..algorithms.sampling_support import SamplingSupport
 from ..batch import RolloutBatch
@@ -96,8 +96,13 @@ class BatchFinisher:
 
     def _add_logps(self, batch: RolloutBatch, driver: FinishingDriver, mode: str, stats: RolloutStats) -> None:
         """The log-probs the loss needs besides the current policy's: the rollout policy's (``old_logps``) when the
-        batch is reused across optimizer steps or the sampler is not the trainer; the reference model's when
-        ``beta != 0``; and the sampler/trainer mismatch ratio with its metrics. A sampler that truncates (``top_k``,
+        batch is reused across optimizer steps, or when the sampler is not the trainer and its correction needs them
+        before the training forward (a Mixture-of-Experts policy replaying routes); the reference model's when
+        ``beta != 0``; and the sampler/trainer mismatch ratio with its metrics where ``old_logps`` were computed.
+
+        A batch used once, on the policy that trains on it, keeps ``old_logps`` None even when a sampler's own
+        log-probs came with it: the loss's forward is then that policy, and the loss computes the mismatch from it
+        (:meth:`grpokit.GRPOTrainer.compute_loss`), one forward fewer per step. A sampler that truncates (``top_k``,
         ``top_p``, ``min_p``) reports log-probs renormalised over what it kept: the mismatch compares them with the
         trainer's on that same support (docs/algorithms.md §5), from the same forward."""
         a = self.args
@@ -107,7 +112,8 @@ class BatchFinisher:
         on_support: list | None = [] if batch.sampler_logps is not None and support.truncates else None
         with torch.no_grad():
             reused = mode == "train" and self.reuses_batches
-            if batch.old_logps is None and (reused or batch.sampler_logps is not None):
+            replays = a.routing_replay != "none"
+            if batch.old_logps is None and (reused or (batch.sampler_logps is not None and replays)):
                 routing, recorded = self._routing(batch)
                 if on_support is not None:
                     routing.update(support=support, on_support=on_support)
@@ -118,27 +124,10 @@ class BatchFinisher:
         if batch.sampler_logps is None or batch.old_logps is None:
             return
         trainer_logps = on_support[0] if on_support else batch.old_logps  # on the sampler's support
-        mask = batch.loss_mask.float()
-        if a.vllm_importance_sampling_correction:
-            batch.sampler_ratio = sampler_importance_ratio(
-                trainer_logps, batch.sampler_logps, mask, a.vllm_importance_sampling_mode,
-                a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max,
-            )
-        valid = batch.loss_mask.bool()
-        gap = (trainer_logps - batch.sampler_logps)[valid].abs()
-        gap = gap[~torch.isnan(gap)]  # tokens the sampler could not score
-        zero = gap.new_zeros(())
-        stats.add("sampling/sampling_logp_difference/mean", gap.mean() if gap.numel() else zero)
-        stats.add("sampling/sampling_logp_difference/max", gap.max() if gap.numel() else zero)
-        for name, value in sampler_mismatch_metrics(trainer_logps, batch.sampler_logps, mask,
-                                                    batch.sampler_ratio).items():
+        batch.sampler_ratio, metrics = SamplerCorrection.from_config(a)(trainer_logps, batch.sampler_logps,
+                                                                         batch.loss_mask)
+        for name, value in metrics.items():
             stats.add(f"sampling/{name}", value)
-        if batch.sampler_ratio is not None:
-            rho = batch.sampler_ratio
-            rho = (rho.expand_as(valid)[valid] if rho.shape[-1] != 1 else rho.flatten()).float()
-            for stat in ("min", "mean", "max"):
-                stats.add(f"sampling/importance_sampling_ratio/{stat}", getattr(rho, stat)() if rho.numel()
-                          else rho.new_zeros(()))
 
     def _routing(self, batch: RolloutBatch) -> tuple[dict, list]:
         """What the old log-probs' forward of a Mixture-of-Experts policy does with its routing — records it into the

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..vision.encoding import tokenizer_of
+from .auto_precision import auto_rollout_precision
 from .transformers_backend import TransformersRollout
+
+logger = logging.getLogger("grpokit")
 
 
 def default_rollout(model, processing_class, args):
@@ -27,5 +32,9 @@ def default_rollout(model, processing_class, args):
         raise refusal("rollout_precision", precision, "grpokit samples in another precision on a CPU; on an "
                       "accelerator use 'auto', or use_vllm=True (the engine's own dtype and 8-bit weights)",
                       when=f"with the policy on {device.type}")
+    if isinstance(model, torch.nn.Module):
+        precision, why = auto_rollout_precision(args, model)
+        if why:
+            logger.warning(why)
     return TransformersRollout(tokenizer_of(processing_class), rollout_precision=precision)
 

@@ -3,10 +3,12 @@
 (For vLLM the same field sets the engine's dtype and quantisation: :data:`VLLM_ENGINE_ARGS`.)
 
 ``"auto"`` samples with the policy's own weights (packed for oneDNN on a CPU: :mod:`grpokit.rollout.packed`), so
-sampler and trainer are one distribution. ``"float32"``, ``"bf16"`` and ``"int8"`` sample with *copies* of the
-policy's linear layers in that precision, made from the current weights (every LoRA adapter folded in) each time a
-generation batch starts — so after every optimizer step — while training keeps its own. The embedding lookup, norms,
-rotary embedding and attention stay in the model's dtype.
+sampler and trainer are one distribution — except where bf16 copies of a float32 policy are measured faster and the
+correction applies (:mod:`grpokit.rollout.auto_precision`: a CPU with AMX), which the trainer says in one line.
+``"float32"``, ``"bf16"`` and ``"int8"`` sample with *copies* of the policy's linear layers in that precision, made
+from the current weights (every LoRA adapter folded in) each time a generation batch starts — so after every optimizer
+step — while training keeps its own. The embedding lookup, norms, rotary embedding and attention stay in the model's
+dtype.
 
 ``int8`` is per-output-channel symmetric weight-only quantisation, what vLLM's ``int8`` weight-only and the FP8
 rollouts of verl and NeMo-RL do for a GPU: row ``i`` of ``W`` becomes ``q_i · s_i`` with ``q_i`` int8 in
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 ROLLOUT_PRECISIONS = ("auto", "float32", "bf16", "int8")
-"""``rollout_precision``'s values; ``"auto"``: the policy's own weights (no copy)."""
+"""``rollout_precision``'s values; ``"auto"``: the policy's own weights (no copy), or what
+:mod:`grpokit.rollout.auto_precision` chooses for the trainer."""
 
 _DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
@@ -143,3 +146,4 @@ def bytes_per_decode_step(model: torch.nn.Module, precision: str | None) -> int:
             else:
                 total += n * _DTYPES[precision].itemsize
     return total
+

@@ -10,11 +10,12 @@ import copy
 
 import pytest
 import torch
-from runs import chat_dataset, make_args, train_logs, varied_reward
+from runs import chat_dataset, first_loss_inputs, make_args, train_logs, varied_reward
 from tiny import tiny_model, tiny_tokenizer
 from transformers import TopKLogitsWarper
 
 from grpokit.algorithms.importance import sampler_importance_ratio
+from grpokit.forward.logprobs import completion_logps
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.packed import packed_linears, packed_weight
 from grpokit.rollout.precision import GenerationCopy, bytes_per_decode_step, copy_precision, quantize_int8
@@ -174,21 +175,24 @@ def test_the_mismatch_correction_applies_to_an_int8_sampler_through_the_trainer(
                      vllm_importance_sampling_correction=correct)
     trainer = GRPOTrainer(tiny_model(tok, hidden=64), varied_reward, args=args, train_dataset=chat_dataset(),
                           processing_class=tok)
-    batch, stats = trainer.pipeline.next_batch([chat_dataset()[0]] * 4, trainer.driver)
-    metrics = dict(stats.metrics)
+    first_policy = copy.deepcopy(trainer.model)
+    with first_loss_inputs(trainer) as seen:
+        trainer.train()
+    batch = seen["batch"]  # on-policy: the loss's own forward is the trainer's side of the mismatch
+    assert batch.sampler_logps is not None and batch.old_logps is None
     valid = batch.loss_mask.bool()
-    assert batch.sampler_logps is not None and batch.old_logps is not None
-    gap = (batch.old_logps - batch.sampler_logps)[valid].abs()
+    with torch.no_grad():
+        trainer_logps, _ = completion_logps(first_policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                            batch.completion_mask, temperature=0.9, compute_entropy=False)
+    gap = (trainer_logps - batch.sampler_logps)[valid].abs()
     assert float(gap.max()) > 0  # the int8 sampler is not the trainer
-    assert float(metrics["sampling/mismatch_kl_k3"]) > 0
     if correct:
-        want = sampler_importance_ratio(batch.old_logps, batch.sampler_logps, batch.loss_mask.float(),
+        want = sampler_importance_ratio(trainer_logps, batch.sampler_logps, batch.loss_mask.float(),
                                         "token_truncate", None, 2.0)
-        torch.testing.assert_close(batch.sampler_ratio, want)
-        assert not torch.equal(batch.sampler_ratio[valid], torch.ones_like(batch.sampler_ratio[valid]))
+        torch.testing.assert_close(seen["sampler_ratio"], want)
+        assert not torch.equal(want[valid], torch.ones_like(want[valid]))
     else:
-        assert batch.sampler_ratio is None
-    trainer.train()
+        assert seen["sampler_ratio"] is None
     logs = train_logs(trainer)
     assert all("sampling/mismatch_kl_k3" in h for h in logs)
     assert all(("sampling/importance_sampling_ratio/mean" in h) == correct for h in logs)
@@ -229,3 +233,65 @@ def test_asynchronous_rollouts_and_workers_sample_with_copies_and_log_the_mismat
     trainer.train()
     logs = train_logs(trainer)
     assert len(logs) == 3 and all(float(h["sampling/mismatch_kl_k3"]) > 0 for h in logs)
+
+
+def _machine(monkeypatch, speedup: float, native: bool = True, min_bytes: int = 0) -> None:
+    """This CPU as one whose bf16 products are ``speedup`` times float32's (``native``: it has bf16 units), and the
+    size below which ``"auto"`` does not copy."""
+    import grpokit.machine.cpu_features as features
+    import grpokit.rollout.auto_precision as precision
+
+    monkeypatch.setattr(features, "measured_bf16_speedup", lambda: speedup)
+    monkeypatch.setattr(features, "native_bf16", lambda: native)
+    monkeypatch.setattr(precision, "AUTO_COPY_MIN_BYTES", min_bytes)
+
+
+def test_auto_samples_a_float32_policy_with_bf16_copies_where_that_pays_and_corrects_it(tmp_path, monkeypatch, caplog):
+    import logging
+
+    _machine(monkeypatch, speedup=5.6)
+    tok = tiny_tokenizer()
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        trainer = GRPOTrainer(tiny_model(tok, hidden=64), varied_reward, args=make_args(tmp_path, temperature=0.9),
+                              train_dataset=chat_dataset(), processing_class=tok)
+    said = [r.getMessage() for r in caplog.records if "rollout_precision='auto'" in r.getMessage()]
+    assert len(said) == 1 and "bf16 copies" in said[0] and "5.6x" in said[0] and "\n" not in said[0]
+    assert trainer.rollout.copy_precision(trainer.model) == "bf16"
+    first_policy = copy.deepcopy(trainer.model)
+    with first_loss_inputs(trainer) as seen:
+        trainer.train()
+    batch = seen["batch"]
+    assert batch.sampler_logps is not None and batch.old_logps is None
+    with torch.no_grad():
+        trainer_logps, _ = completion_logps(first_policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                            batch.completion_mask, temperature=0.9, compute_entropy=False)
+    want = sampler_importance_ratio(trainer_logps, batch.sampler_logps, batch.loss_mask.float(), "sequence_mask",
+                                    None, 3.0)  # GRPOConfig's (TRL's) defaults
+    torch.testing.assert_close(seen["sampler_ratio"], want)
+    assert all(h["sampling/mismatch_kl_k3"] > 0 for h in train_logs(trainer))
+
+
+@pytest.mark.parametrize("machine, setting", [
+    (dict(speedup=2.8), {}),  # an AMD EPYC's AVX512-BF16: a decode step 1.21x, the refresh spends it
+    (dict(speedup=0.7), {}),  # a Xeon's cores with AMX off
+    (dict(speedup=5.6, native=False), {}),  # no bf16 units
+    (dict(speedup=5.6, min_bytes=2**30), {}),  # a policy whose weights stay in the caches
+    (dict(speedup=5.6), dict(rollout_precision="float32")),  # asked for the policy's own weights
+    (dict(speedup=5.6), dict(vllm_importance_sampling_correction=False)),  # nothing would correct the copies
+    (dict(speedup=5.6), dict(loss_type="vespo")),  # its sequence-level default would be refused
+    (dict(speedup=5.6), dict(max_staleness=1)),  # a producer's behaviour log-probs are the sampler's
+])
+def test_auto_keeps_the_policys_own_weights_where_copies_do_not_pay_or_apply(tmp_path, monkeypatch, machine, setting):
+    _machine(monkeypatch, **machine)
+    tok = tiny_tokenizer()
+    trainer = GRPOTrainer(tiny_model(tok, hidden=64), varied_reward, args=make_args(tmp_path, **setting),
+                          train_dataset=chat_dataset(), processing_class=tok)
+    assert trainer.rollout.copy_precision(trainer.model) is None
+
+
+def test_auto_keeps_a_bf16_policys_own_weights(tmp_path, monkeypatch):
+    _machine(monkeypatch, speedup=5.6)
+    tok = tiny_tokenizer()
+    trainer = GRPOTrainer(tiny_model(tok, hidden=64).to(torch.bfloat16), varied_reward, args=make_args(tmp_path),
+                          train_dataset=chat_dataset(), processing_class=tok)
+    assert trainer.rollout.copy_precision(trainer.model) is None

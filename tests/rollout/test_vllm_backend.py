@@ -1,15 +1,18 @@
 """The vLLM backend against fake engines with vLLM's and TRL-client's interfaces (CPU; the real engine runs in
 benchmarks/gpu_check.sh on a GPU machine)."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 from datasets import Dataset
+from runs import first_loss_inputs
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.algorithms import sampler_importance_ratio
 from grpokit.config import GRPOConfig
+from grpokit.forward.logprobs import completion_logps
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.vllm_backend import VLLMRollout, engine_weights, vllm_sampling_kwargs
 from grpokit.trainer import GRPOTrainer
@@ -145,11 +148,6 @@ def test_trainer_with_colocated_engine_corrects_and_syncs(tmp_path, loss_type, m
     backend = VLLMRollout("unused", tok, args, llm=llm, sampling_params_cls=dict)
     trainer = GRPOTrainer(model, lambda completions, **k: [float(len(c[0]["content"])) for c in completions],
                           args=args, train_dataset=ds, processing_class=tok, rollout_backend=backend)
-    batch, _ = trainer.pipeline.next_batch([ds[0]] * 4, trainer.driver)
-    expected = sampler_importance_ratio(batch.old_logps, batch.sampler_logps,
-                                        batch.completion_mask.float(), mode, None, 3.0)
-    torch.testing.assert_close(batch.sampler_ratio, expected)
-    assert batch.sampler_ratio.shape[-1] == (1 if mode.startswith("sequence") else batch.completion_ids.shape[1])
     from transformers import TrainerCallback
 
     after_step_1 = {}
@@ -161,7 +159,19 @@ def test_trainer_with_colocated_engine_corrects_and_syncs(tmp_path, loss_type, m
 
     trainer.add_callback(Snapshot())
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer.train()
+    first_policy = copy.deepcopy(model)
+    with first_loss_inputs(trainer) as seen:
+        trainer.train()
+    batch = seen["batch"]  # the first micro-batch the loss took, on-policy: its own forward is the trainer's
+    assert batch.old_logps is None and batch.sampler_logps is not None
+    with torch.no_grad():
+        trainer_logps, _ = completion_logps(first_policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                            batch.completion_mask, compute_entropy=False)
+    expected = sampler_importance_ratio(trainer_logps, batch.sampler_logps, batch.completion_mask.float(), mode, None,
+                                        3.0)
+    assert seen["sampler_ratio"].shape[-1] == (1 if mode.startswith("sequence") else batch.completion_ids.shape[1])
+    torch.testing.assert_close(seen["sampler_ratio"], expected)
+    assert not torch.allclose(expected, torch.ones_like(expected))  # the fake engine is not the trainer
     assert len(llm.engine_model.loaded) == 1 and llm.resets == 1  # synced before the second generation
     loaded = llm.engine_model.loaded[0]
     assert any(not torch.equal(loaded[n], initial[n]) for n in initial)

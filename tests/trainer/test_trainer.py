@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import FixedRollout
 from datasets import Dataset
-from runs import chat_dataset, make_args, text_dataset, varied_reward
+from runs import chat_dataset, first_loss_inputs, make_args, text_dataset, train_logs, varied_reward
 from tiny import tiny_model, tiny_tokenizer
 
 from grpokit.algorithms import LOSS_TYPES
@@ -185,18 +185,23 @@ def test_reward_model_as_reward_function(tmp_path):
 
 
 def test_sampler_logps_apply_the_mismatch_correction(tmp_path):
-    """A backend that returns sampler log-probs (as vLLM does) triggers old log-probs and the ratio ρ."""
-    tok = tiny_tokenizer()
-    rollout = FixedRollout(tok, sampler_noise=0.5)
-    args = make_args(tmp_path, max_steps=2, vllm_importance_sampling_mode="token_truncate")
-    trainer = GRPOTrainer(tiny_model(tok), varied_reward, args=args, train_dataset=chat_dataset(),
-                          processing_class=tok, rollout_backend=rollout)
-    batch, _ = trainer.pipeline.next_batch([trainer.train_dataset[0]] * 4, trainer.driver)
-    assert batch.old_logps is not None and batch.sampler_ratio is not None
-    assert batch.sampler_ratio.shape == batch.completion_ids.shape
-    assert (batch.sampler_ratio <= 3.0).all()
-    trainer.train()
-    assert rollout.synced == 1  # synced once: before the second generation, after the first optimizer step
+    """A backend that returns sampler log-probs (as vLLM does) gets the ratio ρ in the loss: on-policy from the loss's
+    own forward (no old log-probs' forward), reusing batches (``num_iterations=2``) from the old log-probs."""
+    for reuse in (1, 2):
+        tok = tiny_tokenizer()
+        rollout = FixedRollout(tok, sampler_noise=0.5)
+        args = make_args(tmp_path / str(reuse), max_steps=2, vllm_importance_sampling_mode="token_truncate",
+                         num_iterations=reuse)
+        trainer = GRPOTrainer(tiny_model(tok), varied_reward, args=args, train_dataset=chat_dataset(),
+                              processing_class=tok, rollout_backend=rollout)
+        with first_loss_inputs(trainer) as seen:
+            trainer.train()
+        assert (seen["old_logps"] is not None) == (reuse > 1)
+        ratio = seen["sampler_ratio"]
+        assert ratio.shape == seen["batch"].completion_ids.shape
+        assert (ratio <= 3.0).all() and not torch.allclose(ratio, torch.ones_like(ratio))
+        assert rollout.synced == {1: 1, 2: 0}[reuse]  # before the second generation (reused: one generation)
+        assert all("sampling/mismatch_kl_k3" in h for h in train_logs(trainer))
 
 
 def test_resume_from_checkpoint(tmp_path):

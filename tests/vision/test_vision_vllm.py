@@ -3,11 +3,13 @@ image features placed at each prompt's image tokens in server mode (fakes with v
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
+from runs import first_loss_inputs
 from tiny_vlm import shared_tiny_vlm, tiny_vlm
 
 from grpokit.config import GRPOConfig
@@ -47,9 +49,9 @@ class FakeClient:
         return {"completion_ids": [[11, 2]] * len(prompts), "logprobs": [[[-1.0], [-0.5]]] * len(prompts)}
 
 
-def _args(tmp_path, mode):
+def _args(tmp_path, mode, **kw):
     return GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode=mode, per_device_train_batch_size=4,
-                      num_generations=2, max_completion_length=4, report_to="none", use_cpu=True)
+                      num_generations=2, max_completion_length=4, report_to="none", use_cpu=True, **kw)
 
 
 def _batch(processor):
@@ -100,31 +102,37 @@ def test_server_places_image_features_at_each_prompts_image_tokens(tmp_path):
 
 def test_the_trainer_sends_each_rows_pictures_to_the_engine(tmp_path):
     """Through GRPOTrainer (use_vllm, colocate): the generation batch's rows go to the engine with their images, and
-    the batch the loss takes holds the image tensors its old log-probs (the mismatch correction's) were taken with."""
+    the loss's forward, which gives the trainer's side of the mismatch correction on-policy, sees them."""
     from datasets import Dataset
 
     from grpokit import GRPOTrainer
 
     model, processor = tiny_vlm("qwen2_vl")
     llm = FakeLLM()
-    args = _args(tmp_path, "colocate")
+    args = _args(tmp_path, "colocate", max_steps=1, save_strategy="no")  # one generation: no weights to sync
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "One?"}], [{"role": "user", "content": "Two?"}]],
                               "image": [RED, BLUE]})
     trainer = GRPOTrainer(model, lambda completions, **kw: [1.0] * len(completions), args=args, train_dataset=data,
                           processing_class=processor,
                           rollout_backend=VLLMRollout("unused", processor, args, llm=llm, sampling_params_cls=dict))
-    rows = [data[0], data[0], data[1], data[1]]
-    batch, _ = trainer.pipeline.next_batch(rows, trainer.driver)
+    first_policy = copy.deepcopy(model)
+    with first_loss_inputs(trainer) as seen:
+        trainer.train()
+    batch = seen["batch"]
     sent = [r["multi_modal_data"]["image"] for r in llm.requests[0]]
-    assert [img.size for img in sent] == [RED.size, RED.size, BLUE.size, BLUE.size]
+    assert sorted(img.size for img in sent) == sorted([RED.size, RED.size, BLUE.size, BLUE.size])
     assert batch.vision is not None and batch.vision.images_per_row == [1, 1, 1, 1]
-    assert batch.sampler_logps is not None and batch.old_logps is not None
+    assert batch.sampler_logps is not None and batch.old_logps is None  # on-policy: the loss's forward is the trainer's
+    from grpokit.algorithms.importance import SamplerCorrection
     from grpokit.forward.logprobs import completion_logps
 
     with torch.no_grad():
-        blind, _ = completion_logps(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+        blind, _ = completion_logps(first_policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                     batch.completion_mask)
-        seeing, _ = completion_logps(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+        seeing, _ = completion_logps(first_policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                      batch.completion_mask, vision=batch.vision)
-    torch.testing.assert_close(batch.old_logps, seeing)  # the old log-probs were taken with the pictures
-    assert not torch.allclose(batch.old_logps, blind)
+    correction = SamplerCorrection.from_config(args)
+    torch.testing.assert_close(seen["logps"], seeing)  # the loss's forward was taken with the pictures
+    assert not torch.allclose(seen["logps"], blind)
+    want, _ = correction(seeing, batch.sampler_logps, batch.loss_mask)
+    torch.testing.assert_close(seen["sampler_ratio"], want)
