@@ -44,6 +44,7 @@ from .pipeline.producer import AsyncRollouts
 from .pipeline.workers import RolloutWorkers, check_crossing
 from .rewards.setup import setup_rewards
 from .rollout.backends import default_rollout
+from .rollout.base import stop_token_ids
 from .run.checkpoint_parts import load_parts, save_parts
 from .run.checkpoints import CheckpointingMixin, rng_state
 from .run.run_dir import run_signature, save_signature
@@ -154,8 +155,10 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE router loss is added
         self.metrics_store = MetricsStore()
         self.rollout_buffer = RolloutBuffer(args.steps_per_generation, args.steps_per_generation * args.num_iterations)
+        # what the sampler does to its distribution, replayed on the trainer's side of the mismatch
+        self.sampling_support = SamplingSupport.from_config(args, stop_token_ids(model, processing_class))
         self.pipeline = build_pipeline(model, processing_class, rewards, args, train_dataset, self.multiturn,
-                                       rollout_func, self, self.rollout_buffer.generate_every)
+                                       rollout_func, self, self.rollout_buffer.generate_every, self.sampling_support)
         self.driver = TrainerDriver(self)
         self.weight_average = None  # ema_decay's average of the trained weights, made when training starts
         self._last_samples: dict[str, Any] | None = None  # the last batch's completions, for the completions table
@@ -354,8 +357,8 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
         # a sampler's log-probs and no behaviour policy's: this forward is the policy that sampled (on-policy), and
         # the mismatch between the two is measured here (pipeline/finishing.py leaves it to this forward)
         measures_mismatch = inputs.sampler_logps is not None and inputs.old_logps is None
-        support = SamplingSupport.from_config(a) if measures_mismatch else None
-        on_support: list | None = [] if support is not None and support.truncates else None
+        support = self.sampling_support if measures_mismatch else None
+        on_support: list | None = [] if support is not None and support.reshapes else None
         logps, entropies = completion_logps(
             model, inputs.prompt_ids, inputs.prompt_mask, inputs.completion_ids, inputs.completion_mask,
             temperature=a.temperature, compute_entropy=True, entropy_grad=bonus.enabled, aux_losses=aux,

@@ -17,7 +17,7 @@ import copy
 
 import torch
 
-from ..algorithms.sampling_support import SamplingSupport, support_logps
+from ..algorithms.sampling_support import RowContext, SamplingSupport, support_logps
 from ..moe.routers import has_routers
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
 from .fused_lora import fused_lora
@@ -352,9 +352,10 @@ def completion_logps(
     ``vision``: the prompts' image tensors (:class:`grpokit.vision.VisionInputs`, one row per prompt row) for a
     vision-language model: every forward gets them, and positions are the model's own (M-RoPE); rows share a prompt
     encoding only when their image tensors are equal too.
-    ``support`` and ``on_support``: a list that receives (B, C) the log-probs of the same tokens on a truncating
-    sampler's support (:func:`grpokit.algorithms.sampling_support.support_logps`: renormalised over the tokens its
-    ``top_k`` / ``top_p`` / ``min_p`` keep), from the same forward, without gradient.
+    ``support`` and ``on_support``: a list that receives (B, C) the log-probs of the same tokens under the sampler's
+    own distribution (:func:`grpokit.algorithms.sampling_support.support_logps`: its repetition penalty and
+    ``min_tokens`` replayed, renormalised over the tokens its ``top_k`` / ``top_p`` / ``min_p`` keep), from the same
+    forward, without gradient.
     """
     b, c = completion_ids.shape
     if c == 0:
@@ -432,7 +433,8 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
                               compute_entropy, entropy_grad)
     sup = None
     if support is not None:
-        sup = _head_support_logps(head, hidden, completion_ids, completion_mask.bool(), temperature, support)
+        sup = _head_support_logps(head, hidden, prompt_ids, prompt_mask, completion_ids, completion_mask.bool(),
+                                  temperature, support)
     if rows is None:
         return logps, ents, sup
     return (_RowsOf.apply(logps, inverse), (_RowsOf.apply(ents, inverse) if ents is not None else None),
@@ -480,18 +482,27 @@ SUPPORT_BLOCK_BYTES = 64 * 2**20
 
 
 @torch.no_grad()
-def _head_support_logps(head, hidden, completion_ids, valid, temperature: float,
+def _head_support_logps(head, hidden, prompt_ids, prompt_mask, completion_ids, valid, temperature: float,
                         support: SamplingSupport) -> torch.Tensor:
     """(B, C) the valid tokens' log-probs on ``support`` from the head inputs (B, C, D), in float32, rows of the
     vocabulary's logits a block at a time (the kept set needs each whole row: top-p sorts it); 0 elsewhere."""
     h = hidden[valid].float()
-    tokens = completion_ids[valid]
     w = head.weight.float()
     b = head.bias.float() if head.bias is not None else None
-    rows = max(1, SUPPORT_BLOCK_BYTES // (4 * w.shape[0]))
-    parts = [support_logps(torch.nn.functional.linear(h[i:i + rows], w, b) / temperature, tokens[i:i + rows], support)
-             for i in range(0, h.shape[0], rows)]
-    out = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
+    return _blocked_support_logps(lambda rows: torch.nn.functional.linear(h[rows], w, b), h.shape[0], w.shape[0],
+                                  prompt_ids, prompt_mask, completion_ids, valid, temperature, support)
+
+
+def _blocked_support_logps(logits_of, n: int, vocab: int, prompt_ids, prompt_mask, completion_ids, valid,
+                           temperature: float, support: SamplingSupport) -> torch.Tensor:
+    """(B, C) :func:`support_logps` of the ``n`` valid positions (``valid``, (B, C)), ``logits_of(rows)`` giving the
+    logits of the positions ``rows`` (a slice), :data:`SUPPORT_BLOCK_BYTES` of them at a time; 0 elsewhere."""
+    tokens = completion_ids[valid]
+    context = RowContext.of(prompt_ids, prompt_mask, completion_ids, valid) if support.reshapes else None
+    rows = max(1, SUPPORT_BLOCK_BYTES // (4 * vocab))
+    parts = [support_logps(logits_of(slice(i, i + rows)).float() / temperature, tokens[i:i + rows], support, context,
+                           slice(i, i + rows)) for i in range(0, n, rows)]
+    out = torch.zeros(valid.shape, dtype=torch.float32, device=completion_ids.device)
     if parts:
         out[valid] = torch.cat(parts)
     return out
@@ -510,8 +521,9 @@ def _plain_chunk(model, prompt_ids, prompt_mask, completion_ids, completion_mask
     sup = None
     if support is not None:
         with torch.no_grad():
-            sup = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
-            sup[valid] = support_logps(logits[valid].float() / temperature, completion_ids[valid], support)
+            picked = logits[valid]
+            sup = _blocked_support_logps(lambda rows: picked[rows], picked.shape[0], picked.shape[-1], prompt_ids,
+                                         prompt_mask, completion_ids, valid, temperature, support)
     return lp.masked_fill(~valid, 0.0), (ent.masked_fill(~valid, 0.0) if ent is not None else None), sup
 
 

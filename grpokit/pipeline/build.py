@@ -7,9 +7,10 @@ from ..vision.encoding import tokenizer_of
 
 
 def build_pipeline(model, processing_class, rewards, args, train_dataset, multiturn,
-                   rollout_func, trainer, generate_every: int):
+                   rollout_func, trainer, generate_every: int, support=None):
     """The trainer's :class:`grpokit.pipeline.RolloutPipeline`: its prompt order over ``train_dataset`` (none for a
-    stream), the scorer, dynamic sampling's filter when asked for, and the finishing stage."""
+    stream), the scorer, dynamic sampling's filter when asked for, and the finishing stage (``support``: the
+    sampler's :class:`grpokit.algorithms.sampling_support.SamplingSupport`, the run's settings when None)."""
     from .filtering import GroupFilter
     from .finishing import BatchFinisher
     from .prompt_stream import PromptStream
@@ -29,6 +30,6 @@ def build_pipeline(model, processing_class, rewards, args, train_dataset, multit
         prompts = PromptStream(train_dataset, order, args, rewards.weights, rank=args.process_index,
                                world_size=args.world_size)
     finisher = BatchFinisher(args, rewards.names, rewards.weights,
-                             reuses_batches=args.gradient_accumulation_steps % generate_every != 0)
+                             reuses_batches=args.gradient_accumulation_steps % generate_every != 0, support=support)
     return RolloutPipeline(scorer, finisher, group_filter, order, reward_process=rewards.process, prompts=prompts)
 

@@ -19,11 +19,14 @@ from .stats import RolloutStats
 class BatchFinisher:
     """``reward_names`` / ``reward_weights``: one per reward column. ``reuses_batches``: a generation batch serves
     several optimizer steps (``num_iterations`` > 1 or ``steps_per_generation`` > gradient accumulation), so the
-    loss needs the log-probs of the policy that generated it."""
+    loss needs the log-probs of the policy that generated it. ``support``: what the sampler does to its distribution
+    (its settings and stop tokens), replayed on the trainer's log-probs for the mismatch."""
 
-    def __init__(self, args, reward_names: list[str], reward_weights: torch.Tensor, reuses_batches: bool):
+    def __init__(self, args, reward_names: list[str], reward_weights: torch.Tensor, reuses_batches: bool,
+                 support: SamplingSupport | None = None):
         self.args, self.reward_names, self.reward_weights = args, reward_names, reward_weights
         self.reuses_batches = reuses_batches
+        self.support = support or SamplingSupport.from_config(args)
 
     def __call__(self, s: ScoredSamples, driver: FinishingDriver, mode: str, stats: RolloutStats,
                  behaviour_logps: torch.Tensor | None = None,
@@ -108,8 +111,8 @@ class BatchFinisher:
         a = self.args
         ids = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         images = {} if batch.vision is None else {"vision": batch.vision}  # a driver without images never sees them
-        support = SamplingSupport.from_config(a)
-        on_support: list | None = [] if batch.sampler_logps is not None and support.truncates else None
+        support = self.support
+        on_support: list | None = [] if batch.sampler_logps is not None and support.reshapes else None
         with torch.no_grad():
             reused = mode == "train" and self.reuses_batches
             replays = a.routing_replay != "none"

@@ -8,10 +8,22 @@ import math
 
 import pytest
 import torch
-from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from grpokit.algorithms.importance import sampler_importance_ratio, sampler_mismatch_metrics
-from grpokit.algorithms.sampling_support import SamplingSupport, kept_tokens, support_logps
+from grpokit.algorithms.sampling_support import (
+    RowContext,
+    SamplingSupport,
+    kept_tokens,
+    reshaped_logits,
+    support_logps,
+)
 
 P = torch.tensor([[0.5, 0.25, 0.15, 0.1]])
 Z = torch.log(P)  # softmax(Z) = P
@@ -62,6 +74,76 @@ def test_against_transformers_warpers_in_vllms_order(support):
     assert inside.sum() > 0
     got = support_logps(logits / 0.7, tokens, support)
     torch.testing.assert_close(got[inside], reference[inside], atol=1e-5, rtol=0)
+
+
+def _one_row(completion, prompt=(9, 1), prompt_mask=(0, 1)) -> RowContext:
+    """One row — a prompt whose first token (9) is padding, then ``completion`` — at each completion position."""
+    c = len(completion)
+    return RowContext(torch.tensor([prompt]), torch.tensor([prompt_mask]), torch.tensor([completion]),
+                      torch.zeros(c, dtype=torch.long), torch.arange(c))
+
+
+def test_repetition_penalty_and_min_tokens_by_hand():
+    """Logits (2, -1, 0.5, 0), penalty 2, min_tokens 2 with stop token 3. Position 0 has seen the prompt's token 1
+    (token 9 is padding): -1 · 2 = -2, and the stop token is held back; position 1 has seen 2 as well: 0.5 / 2;
+    position 2 may stop."""
+    z = torch.tensor([[2.0, -1.0, 0.5, 0.0]] * 3)
+    support = SamplingSupport(repetition_penalty=2.0, min_tokens=2, stop_ids=(3,))
+    context = _one_row([2, 3, 0])
+    got = reshaped_logits(z, support, context)
+    inf = float("inf")
+    torch.testing.assert_close(got, torch.tensor([[2.0, -2.0, 0.5, -inf], [2.0, -2.0, 0.25, -inf],
+                                                  [2.0, -2.0, 0.25, 0.0]]))
+    at = support_logps(z, torch.tensor([0, 2, 3]), support, context)
+    expected = [2 - math.log(math.exp(2) + math.exp(-2) + math.exp(0.5)),
+                0.25 - math.log(math.exp(2) + math.exp(-2) + math.exp(0.25)),
+                0.0 - math.log(math.exp(2) + math.exp(-2) + math.exp(0.25) + 1)]
+    assert at.tolist() == pytest.approx(expected, abs=1e-6)
+    # a stop token drawn where the replay holds stops back was in the sampler's set: its value stays (finite)
+    drawn = support_logps(z[:1], torch.tensor([3]), support, context, slice(0, 1))
+    assert drawn.item() == pytest.approx(0.0 - math.log(math.exp(2) + math.exp(-2) + math.exp(0.5) + 1), abs=1e-6)
+    with pytest.raises(ValueError, match="RowContext"):
+        support_logps(z, torch.tensor([0, 2, 3]), support)
+
+
+def test_repetition_penalty_against_transformers_processor_with_top_k():
+    """Each position's distribution as transformers' processors make it from the row so far (the prompt without its
+    padding, then the completion before the position): repetition penalty, temperature, top-k."""
+    generator = torch.Generator().manual_seed(1)
+    vocab, c = 50, 12
+    prompt, mask = torch.tensor([[0, 0, 5, 7, 7, 11]]), torch.tensor([[0, 0, 1, 1, 1, 1]])
+    logits = torch.randn(c, vocab, generator=generator) * 2
+    logits[:, :12] += 3  # a few likely tokens, so that the completion repeats some
+    completion, reference = torch.zeros(1, c, dtype=torch.long), []
+    for t in range(c):  # drawn as a sampler would, each position from the row so far
+        so_far = torch.cat([prompt[0, 2:], completion[0, :t]]).unsqueeze(0)
+        scores = RepetitionPenaltyLogitsProcessor(1.4)(so_far, logits[t:t + 1].clone())
+        scores = TopKLogitsWarper(8)(None, TemperatureLogitsWarper(0.8)(None, scores))
+        dist = torch.log_softmax(scores, -1)[0]
+        completion[0, t] = torch.multinomial(dist.exp(), 1, generator=generator).item()
+        reference.append(dist[completion[0, t]])
+    reference = torch.stack(reference)
+    assert len(set(completion[0].tolist()) & {7, 11, 5}) or len(set(completion[0].tolist())) < c  # repeats occur
+    support = SamplingSupport(top_k=8, repetition_penalty=1.4)
+    context = RowContext(prompt, mask, completion, torch.zeros(c, dtype=torch.long), torch.arange(c))
+    got = support_logps(logits / 0.8, completion[0], support, context)
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
+    plain = support_logps(logits / 0.8, completion[0], SamplingSupport(top_k=8))
+    assert (plain - reference).abs().max() > 0.05  # without the penalty replayed the two differ
+
+
+def test_the_run_s_settings_and_generation_kwargs_make_the_support():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.1,
+                           generation_kwargs={"min_new_tokens": 4, "top_k": 20})
+    support = SamplingSupport.from_config(args, stop_ids=[2, 0, 2])
+    assert support == SamplingSupport(top_k=20, repetition_penalty=1.1, min_tokens=4, stop_ids=(0, 2))
+    assert support.reshapes and support.penalises and support.holds_stops
+    vllm = SamplingSupport.from_config(SimpleNamespace(top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
+                                                       generation_kwargs={"min_tokens": 3}), stop_ids=[2])
+    assert vllm.min_tokens == 3 and vllm.reshapes and not vllm.truncates
+    assert not SamplingSupport(min_tokens=3).reshapes  # no stop tokens known: nothing held back
 
 
 def test_icepop_is_a_two_sided_token_band():
