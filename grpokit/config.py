@@ -508,12 +508,6 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
                             when="with use_vllm=True")
         if self.overlong_buffer_length is not None:
             check.number("overlong_buffer_length", 1, self.max_completion_length, integer=True)
-        truncates = bool(self.top_k) or self.top_p < 1.0 or self.min_p is not None
-        if self.rollout_precision != "auto" and not self.use_vllm and self.max_staleness > 0 and truncates:
-            raise check.bad("rollout_precision", "the behaviour log-probs a producer computes are over the whole "
-                            "vocabulary, the sampler's on its top-k/top-p/min-p support (not compared alike yet); "
-                            "use 'auto', max_staleness=0, or no truncation (top_k=0, top_p=1.0, min_p=None)",
-                            when=f"with max_staleness={self.max_staleness} and a truncating sampler")
         if self.rollout_precision != "auto" and (self.use_transformers_continuous_batching
                                                  or self.use_transformers_paged):
             raise check.bad("rollout_precision", "transformers' continuous batching samples with the policy's own "

@@ -31,5 +31,6 @@ def build_pipeline(model, processing_class, rewards, args, train_dataset, multit
                                world_size=args.world_size)
     finisher = BatchFinisher(args, rewards.names, rewards.weights,
                              reuses_batches=args.gradient_accumulation_steps % generate_every != 0, support=support)
-    return RolloutPipeline(scorer, finisher, group_filter, order, reward_process=rewards.process, prompts=prompts)
+    return RolloutPipeline(scorer, finisher, group_filter, order, reward_process=rewards.process, prompts=prompts,
+                           support=finisher.support)
 

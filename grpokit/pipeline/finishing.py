@@ -30,10 +30,12 @@ class BatchFinisher:
 
     def __call__(self, s: ScoredSamples, driver: FinishingDriver, mode: str, stats: RolloutStats,
                  behaviour_logps: torch.Tensor | None = None,
-                 behaviour_routes: torch.Tensor | None = None) -> RolloutBatch:
+                 behaviour_routes: torch.Tensor | None = None,
+                 behaviour_support_logps: torch.Tensor | None = None) -> RolloutBatch:
         """Advantages over every process's groups, the loss mask, the log-probs the loss needs (``behaviour_logps``:
-        the generating policy's, when that is not the current one, and ``behaviour_routes`` the experts its forward
-        used), and the batch's metrics into ``stats``."""
+        the generating policy's, when that is not the current one, ``behaviour_routes`` the experts its forward used
+        and ``behaviour_support_logps`` its log-probs under the sampler's distribution), and the batch's metrics
+        into ``stats``."""
         a, device = self.args, driver.device
         driver.stop_together(s.incidents.stop_cause)  # a stop a user-code timeout asked for: every process, together
         self._reduce_reward_logs(stats, driver)
@@ -58,7 +60,8 @@ class BatchFinisher:
         if behaviour_logps is not None:
             batch.old_logps = behaviour_logps.to(device)
             batch.old_routes = behaviour_routes
-        self._add_logps(batch, driver, mode, stats)
+        self._add_logps(batch, driver, mode, stats,
+                        None if behaviour_support_logps is None else behaviour_support_logps.to(device))
         lengths_local = (gen.completion_mask if gen.tool_mask is None else gen.completion_mask * gen.tool_mask).sum(1)
         self._rollout_metrics(stats, driver, mode, rewards, result, lengths_local.to(device), truncated, s.prompt_mask,
                               batch.loss_mask)
@@ -97,7 +100,8 @@ class BatchFinisher:
         n, rank = rewards_local.shape[0], driver.process_index
         return rewards, result, result.advantages[rank * n:(rank + 1) * n].to(driver.device)
 
-    def _add_logps(self, batch: RolloutBatch, driver: FinishingDriver, mode: str, stats: RolloutStats) -> None:
+    def _add_logps(self, batch: RolloutBatch, driver: FinishingDriver, mode: str, stats: RolloutStats,
+                   behaviour_on_support: torch.Tensor | None = None) -> None:
         """The log-probs the loss needs besides the current policy's: the rollout policy's (``old_logps``) when the
         batch is reused across optimizer steps, or when the sampler is not the trainer and its correction needs them
         before the training forward (a Mixture-of-Experts policy replaying routes); the reference model's when
@@ -126,6 +130,8 @@ class BatchFinisher:
                 batch.ref_logps = driver.reference_logps(*ids, **images)
         if batch.sampler_logps is None or batch.old_logps is None:
             return
+        if on_support is not None and not on_support:  # old log-probs from a producer: its replay, when it made one
+            on_support = [behaviour_on_support] if behaviour_on_support is not None else None
         trainer_logps = on_support[0] if on_support else batch.old_logps  # on the sampler's support
         batch.sampler_ratio, metrics = SamplerCorrection.from_config(a)(trainer_logps, batch.sampler_logps,
                                                                          batch.loss_mask)

@@ -67,6 +67,10 @@ class ProducedBatch:
     """(N, C) the generating policy's log-probs of the completion tokens."""
     behaviour_routes: torch.Tensor | None = None
     """(N, P + C, L, k) the experts a Mixture-of-Experts policy's forward used for them (``routing_replay="old"``)."""
+    behaviour_support_logps: torch.Tensor | None = None
+    """(N, C) the generating policy's log-probs under the sampler's own distribution (its truncation, penalty and
+    ``min_tokens`` replayed): the policy side of the sampler mismatch, where the sampler is a copy in another
+    precision whose distribution reshapes."""
     stats: RolloutStats = field(default_factory=RolloutStats)
     """What producing it measured; the learner adds what finishing it measures."""
     pipeline_state: dict[str, Any] = field(default_factory=dict)
@@ -367,13 +371,15 @@ def produce_batch(pipeline, rows_of: Callable[[int], list[dict]], driver, sample
                              pipeline_state=copy.deepcopy(pipeline.sampling_state_dict()),
                              token_versions=part.token_versions)
     samples, stats = pipeline.sample(rows_of(k), driver)
-    behaviour, routes = samples.generation.sampler_logps, None
+    behaviour, routes, on_support = samples.generation.sampler_logps, None, None
     if sampler is not None and args.max_staleness > 0:  # (at 0 the batch trains at its own version: on-policy)
         device, gen = driver.device, samples.generation
         replay = args.routing_replay
         routes = [] if replay == "old" else None
         force = torch.cat([gen.prompt_routes, gen.completion_routes], 1) \
             if replay == "rollout" and gen.prompt_routes is not None else None
+        support = pipeline.support
+        on_support = [] if gen.sampler_logps is not None and support is not None and support.reshapes else None
         with torch.no_grad(), stage("behaviour log-probs"):
             behaviour = recorded_forward(
                 find_routers(sampler) if replay != "none" else None, len(samples),
@@ -383,8 +389,10 @@ def produce_batch(pipeline, rows_of: Callable[[int], list[dict]], driver, sample
                     gen.completion_ids.to(device), gen.completion_mask.to(device),
                     temperature=args.temperature, compute_entropy=False,
                     batch_size=args.per_device_train_batch_size,
-                    vision=samples.vision.to(device) if samples.vision is not None else None)[0],
+                    vision=samples.vision.to(device) if samples.vision is not None else None,
+                    support=support, on_support=on_support)[0],
                 record=routes, force=force)
     return ProducedBatch(index=k, version=version, samples=samples, behaviour_logps=behaviour, stats=stats,
                          pipeline_state=copy.deepcopy(pipeline.sampling_state_dict()),
-                         behaviour_routes=routes[0] if routes else None)
+                         behaviour_routes=routes[0] if routes else None,
+                         behaviour_support_logps=on_support[0] if on_support else None)

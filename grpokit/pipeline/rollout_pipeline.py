@@ -26,6 +26,7 @@ from .scoring import RolloutScorer
 from .stats import RolloutStats
 
 if TYPE_CHECKING:
+    from ..algorithms.sampling_support import SamplingSupport
     from .producer import AsyncRollouts
 
 
@@ -42,8 +43,12 @@ class RolloutPipeline:
     checkpoint_file = "grpokit_state_{process}.json"
 
     def __init__(self, scorer: RolloutScorer, finisher: BatchFinisher, group_filter: GroupFilter | None = None,
-                 order: PromptOrder | None = None, reward_process=None, prompts: PromptStream | None = None):
+                 order: PromptOrder | None = None, reward_process=None, prompts: PromptStream | None = None,
+                 support: SamplingSupport | None = None):
         self.scorer, self.finisher, self.filter, self.order = scorer, finisher, group_filter, order
+        self.support = support
+        """What the sampler does to its distribution (:class:`grpokit.algorithms.sampling_support.SamplingSupport`),
+        replayed where the behaviour policy's log-probs are taken (a producer's) and compared with the sampler's."""
         self.prompts = prompts
         """Dynamic sampling's refill stream, with GRESO's skipping (set with ``group_filter``)."""
         self.reward_process = reward_process
@@ -91,11 +96,13 @@ class RolloutPipeline:
         return samples
 
     def finish(self, samples: ScoredSamples, stats: RolloutStats, driver: FinishingDriver, mode: str = "train",
-               behaviour_logps=None, behaviour_routes=None) -> tuple[RolloutBatch, RolloutStats]:
+               behaviour_logps=None, behaviour_routes=None,
+               behaviour_support_logps=None) -> tuple[RolloutBatch, RolloutStats]:
         """The finishing stage (the learner's thread): advantages over every process, masks, log-probs, metrics."""
         with stage("finishing"):  # its collectives are where other ranks wait for one stuck in user code (watchdog)
             return self.finisher(samples, driver, mode, stats, behaviour_logps=behaviour_logps,
-                                 behaviour_routes=behaviour_routes), stats
+                                 behaviour_routes=behaviour_routes,
+                                 behaviour_support_logps=behaviour_support_logps), stats
 
     def next_batch(self, rows: list[dict], driver: RolloutDriver) -> tuple[RolloutBatch, RolloutStats]:
         """The next training batch: from ``rows`` (the dataloader's generation batch), or, with a producer, the next
@@ -106,7 +113,8 @@ class RolloutPipeline:
         produced = self.producer.next_batch(driver.version, driver.process_index == 0)
         self._taken_state = produced.pipeline_state
         return self.finish(produced.samples, produced.stats, driver, behaviour_logps=produced.behaviour_logps,
-                           behaviour_routes=produced.behaviour_routes)
+                           behaviour_routes=produced.behaviour_routes,
+                           behaviour_support_logps=produced.behaviour_support_logps)
 
     def evaluation_batch(self, rows: list[dict], driver: RolloutDriver) -> tuple[RolloutBatch, RolloutStats]:
         samples, stats = self.sample(rows, driver, mode="eval")

@@ -204,8 +204,6 @@ def test_the_mismatch_correction_applies_to_an_int8_sampler_through_the_trainer(
      "rollout_precision='int8' is not allowed with use_transformers_continuous_batching=True"),
     (dict(rollout_precision="bf16", partial_rollouts=True, max_staleness=1),
      "rollout_precision='bf16' is not allowed with partial_rollouts=True"),
-    (dict(rollout_precision="int8", max_staleness=1, top_k=50),
-     "rollout_precision='int8' is not allowed with max_staleness=1 and a truncating sampler"),
 ])
 def test_settings_it_does_not_take_are_refused_in_one_line(tmp_path, setting, why):
     with pytest.raises(ValueError) as e:

@@ -96,3 +96,25 @@ def test_a_reshaping_sampler_that_is_the_trainer_shows_no_mismatch(tmp_path, tru
     logs = train_logs(trainer)
     assert all(h["sampling/sampling_logp_difference/mean"] < 1e-4 for h in logs)
     assert all(abs(h["sampling/mismatch_kl_k3"]) < 1e-6 for h in logs)
+
+
+def test_an_asynchronous_producer_replays_the_sampler_for_the_mismatch(tmp_path):
+    """With ``max_staleness=1`` the behaviour log-probs are the producer's forward of the weights that sampled: the
+    mismatch compares the sampler's with that forward's under the same truncation and penalty, so a sampler that is
+    the trainer shows none (before, that forward's whole-vocabulary log-probs were compared, and the combination of
+    copies, a producer and a truncating sampler was refused)."""
+    tok = tiny_tokenizer()
+    args = make_args(tmp_path, temperature=0.7, top_k=3, repetition_penalty=1.5, max_staleness=1, max_steps=3,
+                     vllm_importance_sampling_mode="token_truncate")
+    model = tiny_model(tok, tie=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    trainer = GRPOTrainer(model, varied_reward, args=args, train_dataset=chat_dataset(), processing_class=tok,
+                          rollout_backend=TruncatingEngine(tok, 0.7, top_k=3, repetition_penalty=1.5))
+    with first_loss_inputs(trainer) as seen:
+        trainer.train()
+    assert seen["old_logps"] is not None  # the producer's behaviour log-probs
+    logs = train_logs(trainer)
+    assert len(logs) == 3
+    assert all(h["sampling/sampling_logp_difference/mean"] < 1e-4 for h in logs), logs
+    assert all(abs(h["sampling/mismatch_kl_k3"]) < 1e-6 for h in logs)

@@ -112,7 +112,8 @@ class Worker:
         if prompts is not None:  # this worker's share of its rank's refill stream
             n, w = spec["workers"], spec["index"]
             prompts.rank, prompts.world_size = prompts.rank * n + w, prompts.world_size * n
-        self.pipeline = RolloutPipeline(parts["scorer"], None, parts["filter"], parts["order"], prompts=prompts)
+        self.pipeline = RolloutPipeline(parts["scorer"], None, parts["filter"], parts["order"], prompts=prompts,
+                                        support=parts["support"])
         if spec["state"]:
             self.pipeline.load_state_dict(spec["state"])
         self.slots = WeightSlots.attach(spec["slots_layout"], spec["slots_fd"])

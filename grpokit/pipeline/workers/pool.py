@@ -311,7 +311,7 @@ class RolloutWorkers(AsyncRollouts):
         if a.partial_rollouts:
             check_partial(p, policy, backend, params)
         payload = {"args": a, "rows": self.rows, "sampler": policy, "backend": backend, "params": params,
-                   "scorer": scorer, "filter": p.filter, "prompts": p.prompts, "order": p.order}
+                   "scorer": scorer, "filter": p.filter, "prompts": p.prompts, "order": p.order, "support": p.support}
         spec = {"workers": n, "rank": a.process_index, "world_size": a.world_size, "device": str(self.learner.device),
                 "threads": worker_threads(n), "max_staleness": a.max_staleness,
                 "generate_every": generate_every, "gradient_accumulation_steps": a.gradient_accumulation_steps}
