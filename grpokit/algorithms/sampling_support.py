@@ -73,6 +73,11 @@ class SamplingSupport:
         return self.min_tokens > 0 and bool(self.stop_ids)
 
     @property
+    def only_holds_stops(self) -> bool:
+        """Whether holding stop tokens back is all the sampler changes (:func:`held_stop_logps` then applies)."""
+        return self.holds_stops and not (self.truncates or self.penalises)
+
+    @property
     def reshapes(self) -> bool:
         """Whether the sampler's distribution differs from the softmax at the temperature at all."""
         return self.truncates or self.penalises or self.holds_stops
@@ -170,3 +175,31 @@ def support_logps(scaled_logits: torch.Tensor, tokens: torch.Tensor, support: Sa
     keep = kept_tokens(z, support).scatter(-1, tokens.unsqueeze(-1), True)
     lse = torch.logsumexp(z.masked_fill(~keep, float("-inf")), dim=-1)
     return torch.gather(z, -1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+
+
+HELD_STOP_MAX_MASS = 0.5
+""":func:`held_stop_logps` trusts ``1 - q`` computed from float32 log-probs up to this held-back mass ``q``; a position
+where the stop tokens held more than that gets its value from the whole row instead."""
+
+
+def held_stop_logps(logps: torch.Tensor, drawn_logits: torch.Tensor, stop_logits: torch.Tensor, tokens: torch.Tensor,
+                    stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log p'(y)`` for a sampler whose only change to ``softmax(z)`` is holding the stop tokens ``S`` back (at the
+    positions before ``min_tokens``), from the log-prob ``log p(y)`` the trainer already has and the logits of ``y`` and
+    of ``S`` alone — no pass over the vocabulary:
+
+    ``log p'(y) = log p(y) - log(1 - q)``, ``q = Σ_{s ∈ S, s ≠ y} p(s)``, ``p(s) = exp(z_s - lse)``,
+    ``lse = z_y - log p(y)``.
+
+    A drawn stop token stays in the set (the sampler drew it). ``logps`` (R,): ``log p(y)`` (float32, from the full
+    softmax); ``drawn_logits`` (R,): ``z_y``; ``stop_logits`` (R, |S|): ``z_s`` (all already divided by the
+    temperature); ``tokens`` (R,) ``y``; ``stop_ids`` (|S|,). Returns the values (R,) and a mask (R,) of the positions
+    where ``q`` exceeds :data:`HELD_STOP_MAX_MASS`, whose ``1 - q`` the float32 ``log p(y)`` cannot give exactly: the
+    caller computes those from the whole row."""
+    lse = drawn_logits.double() - logps.double()
+    held = (stop_logits.double() - lse.unsqueeze(-1)).exp()
+    held = held.masked_fill(stop_ids.unsqueeze(0) == tokens.unsqueeze(-1), 0.0)
+    q = held.sum(-1)
+    unsure = q > HELD_STOP_MAX_MASS
+    values = logps.double() - torch.log1p(-q.clamp(max=HELD_STOP_MAX_MASS))
+    return values.to(logps.dtype), unsure

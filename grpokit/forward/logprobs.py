@@ -17,7 +17,7 @@ import copy
 
 import torch
 
-from ..algorithms.sampling_support import RowContext, SamplingSupport, support_logps
+from ..algorithms.sampling_support import RowContext, SamplingSupport, held_stop_logps, support_logps
 from ..moe.routers import has_routers
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
 from .fused_lora import fused_lora
@@ -433,8 +433,10 @@ def _lean_chunk(model, head, prompt_ids, prompt_mask, completion_ids, completion
                               compute_entropy, entropy_grad)
     sup = None
     if support is not None:
+        # log p(y) from a float32 head is what the stop tokens' hold-back corrects (held_stop_logps)
+        exact = logps.detach() if _head_dtype(head, dtypes) == torch.float32 else None
         sup = _head_support_logps(head, hidden, prompt_ids, prompt_mask, completion_ids, completion_mask.bool(),
-                                  temperature, support)
+                                  temperature, support, logps=exact)
     if rows is None:
         return logps, ents, sup
     return (_RowsOf.apply(logps, inverse), (_RowsOf.apply(ents, inverse) if ents is not None else None),
@@ -469,12 +471,16 @@ def _head_logps(head, hidden, completion_ids, valid, dtypes, temperature: float,
     hidden = _RowsOf.apply(hidden.reshape(-1, hidden.shape[-1]), valid.reshape(-1).nonzero().squeeze(1))  # hidden[valid]
     # the blocks run in the dtype the forward ran the model in (its autocast: accelerate's for bf16=True), forward and
     # recomputed backward; float32 for a head cast there (cast_lm_head_to_fp32)
-    dtype = torch.float32 if getattr(head, "grpokit_fp32", False) else dtypes[-1]
+    dtype = _head_dtype(head, dtypes)
     lp_v, ent_v = linear_logps_and_entropy(hidden, head.weight, completion_ids[valid], head.bias,
                                            temperature=temperature, compute_entropy=compute_entropy,
                                            entropy_grad=entropy_grad, dtype=dtype)
     zeros = lp_v.new_zeros(valid.shape)
     return zeros.masked_scatter(valid, lp_v), (zeros.masked_scatter(valid, ent_v) if compute_entropy else None)
+
+
+def _head_dtype(head, dtypes: list[torch.dtype]) -> torch.dtype:
+    return torch.float32 if getattr(head, "grpokit_fp32", False) else dtypes[-1]
 
 
 SUPPORT_BLOCK_BYTES = 64 * 2**20
@@ -483,12 +489,36 @@ SUPPORT_BLOCK_BYTES = 64 * 2**20
 
 @torch.no_grad()
 def _head_support_logps(head, hidden, prompt_ids, prompt_mask, completion_ids, valid, temperature: float,
-                        support: SamplingSupport) -> torch.Tensor:
+                        support: SamplingSupport, logps: torch.Tensor | None = None) -> torch.Tensor:
     """(B, C) the valid tokens' log-probs on ``support`` from the head inputs (B, C, D), in float32, rows of the
-    vocabulary's logits a block at a time (the kept set needs each whole row: top-p sorts it); 0 elsewhere."""
-    h = hidden[valid].float()
+    vocabulary's logits a block at a time (the kept set needs each whole row: top-p sorts it); 0 elsewhere.
+
+    ``logps`` (B, C): the same tokens' float32 log-probs over the whole vocabulary. Where holding stop tokens back is
+    all the sampler does (``min_tokens``), they are the answer past ``min_tokens`` and, before it, corrected from the
+    stop tokens' logits alone (:func:`held_stop_logps`): no second pass over the vocabulary; a position where the
+    stops held most of the mass takes the blocked pass."""
     w = head.weight.float()
     b = head.bias.float() if head.bias is not None else None
+    if logps is not None and support.only_holds_stops:
+        vocab = w.shape[0]
+        stops = torch.tensor([i for i in support.stop_ids if i < vocab], dtype=torch.long, device=w.device)
+        early = valid & (torch.arange(valid.shape[1], device=valid.device) < support.min_tokens)
+        out = logps.float().masked_fill(~valid, 0.0)
+        if not early.any() or not stops.numel():
+            return out
+        h, tokens = hidden[early].float(), completion_ids[early]
+        drawn = (h * w[tokens]).sum(-1) + (b[tokens] if b is not None else 0.0)
+        held = torch.nn.functional.linear(h, w[stops], b[stops] if b is not None else None)
+        values, unsure = held_stop_logps(logps[early].float(), drawn / temperature, held / temperature, tokens, stops)
+        out[early] = values
+        if unsure.any():
+            where = torch.zeros_like(early).masked_scatter(early, unsure)
+            hu = hidden[where].float()
+            exact = _blocked_support_logps(lambda rows: torch.nn.functional.linear(hu[rows], w, b), hu.shape[0],
+                                           vocab, prompt_ids, prompt_mask, completion_ids, where, temperature, support)
+            out[where] = exact[where]
+        return out
+    h = hidden[valid].float()
     return _blocked_support_logps(lambda rows: torch.nn.functional.linear(h[rows], w, b), h.shape[0], w.shape[0],
                                   prompt_ids, prompt_mask, completion_ids, valid, temperature, support)
 

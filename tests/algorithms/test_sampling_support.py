@@ -20,6 +20,7 @@ from grpokit.algorithms.importance import sampler_importance_ratio, sampler_mism
 from grpokit.algorithms.sampling_support import (
     RowContext,
     SamplingSupport,
+    held_stop_logps,
     kept_tokens,
     reshaped_logits,
     support_logps,
@@ -104,6 +105,30 @@ def test_repetition_penalty_and_min_tokens_by_hand():
     assert drawn.item() == pytest.approx(0.0 - math.log(math.exp(2) + math.exp(-2) + math.exp(0.5) + 1), abs=1e-6)
     with pytest.raises(ValueError, match="RowContext"):
         support_logps(z, torch.tensor([0, 2, 3]), support)
+
+
+def test_held_stop_logps_from_the_stop_logits_alone_by_hand():
+    """Logits (2, -1, 0.5, 0), stops {2, 3} held back: ``log p'(y) = log p(y) - log(1 - p(2) - p(3))``, a drawn stop
+    keeping its own mass; equal to the whole row's replay (support_logps); a position where the stops hold more than
+    half the mass is flagged for the whole row."""
+    z = torch.tensor([2.0, -1.0, 0.5, 0.0])
+    logp = torch.log_softmax(z, -1)
+    stops = torch.tensor([2, 3])
+    tokens = torch.tensor([0, 1, 3])
+    values, unsure = held_stop_logps(logp[tokens], z[tokens], z[stops].expand(3, 2), tokens, stops)
+    total = math.exp(2) + math.exp(-1) + math.exp(0.5) + 1
+    expected = [2 - math.log(math.exp(2) + math.exp(-1)), -1 - math.log(math.exp(2) + math.exp(-1)),
+                0 - math.log(math.exp(2) + math.exp(-1) + 1)]  # the drawn stop 3 stays in the set
+    assert values.tolist() == pytest.approx(expected, abs=1e-6)
+    assert not unsure.any()
+    support = SamplingSupport(min_tokens=5, stop_ids=(2, 3))
+    whole = torch.cat([support_logps(z[None], tokens[i:i + 1], support, _one_row([int(tokens[i])]), slice(0, 1))
+                       for i in range(3)])
+    torch.testing.assert_close(values, whole, rtol=0, atol=1e-6)
+    assert (math.exp(0.5) + 1) / total < 0.5
+    peaked = torch.tensor([0.0, -1.0, 3.0, 3.0])  # the stops hold 0.93 of the mass
+    _, unsure = held_stop_logps(torch.log_softmax(peaked, -1)[:1], peaked[:1], peaked[stops][None], tokens[:1], stops)
+    assert unsure.tolist() == [True]
 
 
 def test_repetition_penalty_against_transformers_processor_with_top_k():

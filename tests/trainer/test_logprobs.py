@@ -1,5 +1,7 @@
 """The chunked log-prob / entropy path against the plain full-softmax computation: values and gradients."""
 
+import math
+
 import pytest
 import torch
 from conftest import FixedRollout
@@ -168,6 +170,49 @@ def test_completion_logps_lean_equals_plain_through_a_model(tie, tau):
     assert ("lm_head.weight" in grads) != tie  # tied: the head's gradient lands on the embedding
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_held_stop_tokens_on_the_lean_path_equal_the_whole_rows(tie, monkeypatch):
+    """``min_tokens`` alone: the lean path corrects the full-vocabulary log-probs from the stop tokens' logits
+    (held_stop_logps) instead of a second pass over the vocabulary; the plain path replays it on whole rows. They
+    agree at every position: before ``min_tokens`` (a drawn stop token kept in the set), after it, and where the
+    stops hold most of the mass (that position takes the whole row)."""
+    from grpokit.algorithms.sampling_support import SamplingSupport
+
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, tie=tie)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(20)  # logits with a spread of ~2 (0.1 as built): peaked distributions
+    batch = _batch(tok, seed=5)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                       attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
+    at = logits[3, prompt_ids.shape[1] - 1] / 0.7  # what predicts row 3's first completion token
+    likely = torch.topk(at, 12).indices.tolist()
+    drawn_stop = int(completion_ids[0, 1])
+    stops = tuple(sorted({*likely, drawn_stop} - {int(completion_ids[3, 0])}))
+    support = SamplingSupport(min_tokens=4, stop_ids=stops)
+    assert support.only_holds_stops
+    blocked = []  # rows the lean path sent through the whole-row pass
+    real = logprobs._blocked_support_logps
+    monkeypatch.setattr(logprobs, "_blocked_support_logps", lambda *a, **k: blocked.append(a[1]) or real(*a, **k))
+    got = []
+    lp, _ = completion_logps(model, *batch, temperature=0.7, support=support, on_support=got)
+    assert blocked and sum(blocked) < int((completion_mask[:, :4] == 1).sum())  # only the mass-held positions
+    lean_calls = len(blocked)
+    ref = []
+    lp_ref, _ = completion_logps(model, *batch, temperature=0.7, support=support, on_support=ref, lean=False)
+    assert len(blocked) > lean_calls
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=2e-5)
+    valid = completion_mask.bool()
+    early = valid & (torch.arange(completion_ids.shape[1]) < 4)
+    assert (got[0][valid & ~early] == lp[valid & ~early]).all()  # past min_tokens: the full softmax's
+    lifted = got[0][early] - lp.detach()[early]  # before it: the held-back mass renormalised away
+    assert (lifted >= 0).all() and (lifted > 1e-3).sum() >= 3
+    assert got[0][3, 0] - lp[3, 0] > math.log(2)  # the stops held more than half there
 
 
 def test_completion_logps_lean_with_lora_and_batches():
