@@ -5,13 +5,6 @@ from __future__ import annotations
 
 import torch
 
-AUTO_BF16_MIN_SPEEDUP = 4.0
-"""``"auto"`` samples a float32 policy with bf16 copies only where bf16 multiplies at least this many times faster
-than float32 (:func:`grpokit.machine.cpu_features.measured_bf16_speedup`): ~5× with AMX, where a decode step on the
-copies is 1.47–1.50× the float32 one and the step 1.21× (benchmarks/RESULTS.md, "Sampling on bf16 copies with the
-correction in the loss's forward"); not on an AMD EPYC's AVX512-BF16 (2.8×, a decode step 1.21× at 8 rows, which
-the copies' refresh, ~0.12 s a batch, mostly spends) nor on cores without bf16 units."""
-
 AUTO_COPY_MIN_BYTES = 64 * 2**20
 """``"auto"`` copies only a policy whose linear layers hold at least this many bytes: below it a decode step's
 weights stay in the CPU's caches and reading half the bytes saves little."""
@@ -22,7 +15,9 @@ def auto_rollout_precision(args, model: torch.nn.Module) -> tuple[str, str]:
     empty when nothing was chosen): the field itself unless it is ``"auto"``. ``"auto"`` is ``"bf16"`` — copies of a
     float32 policy's linear layers in bf16, the mismatch corrected in the loss — where that is measured faster and the
     correction applies: a policy on the CPU whose linear layers are float32 and hold :data:`AUTO_COPY_MIN_BYTES`,
-    bf16 products :data:`AUTO_BF16_MIN_SPEEDUP` times faster, ``vllm_importance_sampling_correction`` on with a mode
+    bf16 products at least :data:`grpokit.machine.cpu_features.BF16_MIN_SPEEDUP` times faster (the demo's rule for
+    bf16 weights; where they are, a decode step on the copies was 1.19–1.50× the float32 one and the step 1.13–1.22×:
+    benchmarks/RESULTS.md, "bf16 copies on an AMD EPYC"), ``vllm_importance_sampling_correction`` on with a mode
     the loss takes, rollouts in the learner's thread (``max_staleness=0``, no rollout workers) and no routing
     replay; else the policy's own weights (``"auto"``)."""
     precision = getattr(args, "rollout_precision", "auto")
@@ -40,10 +35,10 @@ def auto_rollout_precision(args, model: torch.nn.Module) -> tuple[str, str]:
             or args.max_staleness > 0 or getattr(args, "rollout_workers", 0) or args.routing_replay != "none"
             or getattr(getattr(model, "config", None), "vision_config", None) is not None):
         return "auto", ""
-    from ..machine.cpu_features import measured_bf16_speedup, native_bf16
+    from ..machine.cpu_features import BF16_MIN_SPEEDUP, measured_bf16_speedup, native_bf16
 
     speedup = measured_bf16_speedup() if native_bf16() else 0.0
-    if speedup < AUTO_BF16_MIN_SPEEDUP:
+    if speedup < BF16_MIN_SPEEDUP:
         return "auto", ""
     return "bf16", (f"rollout_precision='auto': sampling with bf16 copies of the float32 linear layers ({size / 2**20:.0f} "
                     f"MB), bf16 products measured {speedup:.1f}x float32 on this CPU; the mismatch is corrected "

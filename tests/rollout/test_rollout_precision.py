@@ -244,16 +244,18 @@ def _machine(monkeypatch, speedup: float, native: bool = True, min_bytes: int = 
     monkeypatch.setattr(precision, "AUTO_COPY_MIN_BYTES", min_bytes)
 
 
-def test_auto_samples_a_float32_policy_with_bf16_copies_where_that_pays_and_corrects_it(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("speedup", [5.6, 2.0])  # a Xeon's AMX; an AMD EPYC's AVX512-BF16
+def test_auto_samples_a_float32_policy_with_bf16_copies_where_that_pays_and_corrects_it(tmp_path, monkeypatch, caplog,
+                                                                                       speedup):
     import logging
 
-    _machine(monkeypatch, speedup=5.6)
+    _machine(monkeypatch, speedup=speedup)
     tok = tiny_tokenizer()
     with caplog.at_level(logging.WARNING, logger="grpokit"):
         trainer = GRPOTrainer(tiny_model(tok, hidden=64), varied_reward, args=make_args(tmp_path, temperature=0.9),
                               train_dataset=chat_dataset(), processing_class=tok)
     said = [r.getMessage() for r in caplog.records if "rollout_precision='auto'" in r.getMessage()]
-    assert len(said) == 1 and "bf16 copies" in said[0] and "5.6x" in said[0] and "\n" not in said[0]
+    assert len(said) == 1 and "bf16 copies" in said[0] and f"{speedup:.1f}x" in said[0] and "\n" not in said[0]
     assert trainer.rollout.copy_precision(trainer.model) == "bf16"
     first_policy = copy.deepcopy(trainer.model)
     with first_loss_inputs(trainer) as seen:
@@ -270,7 +272,7 @@ def test_auto_samples_a_float32_policy_with_bf16_copies_where_that_pays_and_corr
 
 
 @pytest.mark.parametrize("machine, setting", [
-    (dict(speedup=2.8), {}),  # an AMD EPYC's AVX512-BF16: a decode step 1.21x, the refresh spends it
+    (dict(speedup=1.4), {}),  # bf16 units that multiply barely faster than float32 (below BF16_MIN_SPEEDUP)
     (dict(speedup=0.7), {}),  # a Xeon's cores with AMX off
     (dict(speedup=5.6, native=False), {}),  # no bf16 units
     (dict(speedup=5.6, min_bytes=2**30), {}),  # a policy whose weights stay in the caches
