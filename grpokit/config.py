@@ -268,7 +268,7 @@ class GRPOConfig(transformers.TrainingArguments, _loss_param_fields()):
     rollout_precision: str = field(
         default="auto", metadata=_meta(
             "The precision completions are sampled in: 'auto' (the policy's own weights; bf16 copies of a float32 "
-            "policy of 64 MB or more on a CPU whose bf16 products are 4x float32's or more, as with AMX), 'float32', "
+            "policy of 64 MB or more on a CPU whose bf16 products are 1.5x float32's or more: AMX, AVX512-BF16), 'float32', "
             "'bf16' or 'int8' "
             "(copies of the linear layers in it, int8 per output channel, made after every optimizer step; the "
             "sampler's log-probs then go to the mismatch correction, vllm_importance_sampling_*). With use_vllm: the "

@@ -16,7 +16,7 @@ def auto_rollout_precision(args, model: torch.nn.Module) -> tuple[str, str]:
     float32 policy's linear layers in bf16, the mismatch corrected in the loss — where that is measured faster and the
     correction applies: a policy on the CPU whose linear layers are float32 and hold :data:`AUTO_COPY_MIN_BYTES`,
     bf16 products at least :data:`grpokit.machine.cpu_features.BF16_MIN_SPEEDUP` times faster (the demo's rule for
-    bf16 weights; where they are, a decode step on the copies was 1.19–1.50× the float32 one and the step 1.13–1.22×:
+    bf16 weights; where they are, a decode step on the copies was 1.07–1.50× the float32 one and the step 1.13–1.22×:
     benchmarks/RESULTS.md, "bf16 copies on an AMD EPYC"), ``vllm_importance_sampling_correction`` on with a mode
     the loss takes, rollouts in the learner's thread (``max_staleness=0``, no rollout workers) and no routing
     replay; else the policy's own weights (``"auto"``)."""
