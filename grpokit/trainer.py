@@ -32,7 +32,6 @@ from .batch import RolloutBatch, RolloutBuffer
 from .callbacks import install_hooks
 from .config import GRPOConfig
 from .data import check_datasets, default_dataset, is_iterable_dataset, no_dispatch
-from .forward.attention import eager_attention_where_faster
 from .forward.fused_lora import fused_lora
 from .forward.logprobs import completion_logps
 from .forward.sharding import sharding_kind
@@ -448,14 +447,11 @@ class GRPOTrainer(CheckpointingMixin, Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """transformers' training step, the rollouts taken first: the loss's forward and its backward (with gradient
         checkpointing, the recomputed forward too) then run with each plain LoRA layer as one autograd operation
-        (:func:`grpokit.forward.fused_lora.fused_lora`) and, for bf16 weights on a CPU and short sequences, attention
-        computed eagerly instead of by SDPA (:func:`grpokit.forward.attention.eager_attention_where_faster`); generation,
-        outside it, folds the adapters into its own weights as before."""
+        (:func:`grpokit.forward.fused_lora.fused_lora`), and generation, outside it, folds the adapters into its own
+        weights as before."""
         model.train()
         inputs = self._prepare_inputs(inputs)
-        rows, positions = inputs.completion_ids.shape[0], inputs.prompt_ids.shape[1] + inputs.completion_ids.shape[1]
-        with (fused_lora(model), eager_attention_where_faster(model, rows, positions, holds_backward=True),
-              self.moe.training_forward(model, inputs)):  # MoE: routing replayed, forward and backward
+        with fused_lora(model), self.moe.training_forward(model, inputs):  # MoE: routing replayed, forward and backward
             return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

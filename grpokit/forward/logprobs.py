@@ -19,7 +19,6 @@ import torch
 
 from ..algorithms.sampling_support import RowContext, SamplingSupport, held_stop_logps, support_logps
 from ..moe.routers import has_routers
-from .attention import eager_attention_where_faster
 from .chunked_head import accumulation_dtype, linear_logps_and_entropy
 from .fused_lora import fused_lora
 from .prefix import (
@@ -32,7 +31,6 @@ from .prefix import (
     group_size,
     inner_causal_lm,
     position_ids_from_mask,
-    recomputes_activations,
     with_cache,
 )
 
@@ -175,7 +173,9 @@ def _shares_prompts(model: torch.nn.Module) -> bool:
     if param is None or param.device.type not in SHARE_PROMPTS_ON:
         return False
     base = inner_causal_lm(model)
-    if base is None or recomputes_activations(base) or has_routers(base):
+    name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"  # its name before transformers 5.20 (reading it now warns)
+    if base is None or getattr(base, name, False) or has_routers(base):
         return False  # (a Mixture-of-Experts policy's forwards run whole rows: its routing is recorded and replayed so)
     if model.training:
         cfg = getattr(base, "config", None)
@@ -376,13 +376,12 @@ def completion_logps(
             rows = (prompt_ids[sl], prompt_mask[sl], completion_ids[sl], completion_mask[sl])
             vis = vision.select(range(start, min(b, start + step))) if vision is not None else None
             aux = [] if aux_losses is not None else None
-            with eager_attention_where_faster(model, rows[0].shape[0], prompt_ids.shape[1] + c):
-                out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux, vis,
-                                  support) if head else None
-                if out is None:
-                    head = None  # this model does not fit the lean path: the plain path from now on
-                    aux = [] if aux_losses is not None else None
-                    out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux, vis, support)
+            out = _lean_chunk(model, head, *rows, share, temperature, compute_entropy, entropy_grad, aux, vis,
+                              support) if head else None
+            if out is None:
+                head = None  # this model does not fit the lean path: the plain path from now on
+                aux = [] if aux_losses is not None else None
+                out = _plain_chunk(model, *rows, temperature, compute_entropy, entropy_grad, aux, vis, support)
             if aux_losses is not None:
                 aux_losses.extend(aux)
             logps.append(out[0])

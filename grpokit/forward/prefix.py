@@ -50,16 +50,6 @@ def inner_causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
     return model
 
 
-def recomputes_activations(model: torch.nn.Module | None) -> bool:
-    """Whether ``model`` (the causal LM, :func:`inner_causal_lm`) has activation checkpointing on: its backward runs
-    the forward again."""
-    if model is None:
-        return False
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"  # its name before transformers 5.20 (reading it now warns)
-    return bool(getattr(model, name, False))
-
-
 def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, also_same: torch.Tensor | None = None) -> int:
     """``G`` when the rows are whole groups of ``G`` identical consecutive prompts (how the trainer sends them),
     else 1. ``also_same``: (n - 1,) whether row ``i + 1`` also equals row ``i`` in what the ids do not show (a
