@@ -32,8 +32,18 @@ def real(tmp_path_factory):
     example = accelerate_env("fsdp2")  # examples/accelerate/fsdp2.yaml, as accelerate launch applies it
     fsdp2 = ["4", "1", "dapo", "--real-rollout", "--shard", "fsdp2"]
     torchrun_several([(root / "fsdp2", fsdp2), (root / "fsdp2-lockstep", [*fsdp2, "--no-gather"]),
-                      (root / "fsdp2-lora", [*fsdp2, "--lora"])], env=example)
+                      (root / "fsdp2-lora", [*fsdp2, "--lora"]), *saved_and_resumed(root / "fsdp2-checkpoint", "fsdp2")],
+                     env=example)
     return root
+
+
+def saved_and_resumed(root: Path, shard: str) -> list:
+    """Two runs for :func:`test_sharded_checkpoint_resumes_bit_for_bit`, made after a fixture's other runs by the same
+    two processes: AdamW (optimizer state to restore) saving after every step (``full/``), then a new trainer resumed
+    from the first step's checkpoint on disk (``resumed/``), which trains step 2 only."""
+    args = ["4", "1", "dapo", "--real-rollout", "--shard", shard, "--adamw"]
+    return [(root / "full", [*args, "--save-steps"]),
+            (root / "resumed", [*args, "--resume", str(root / "full" / "run-dapo" / "checkpoint-1")])]
 
 
 def both_ranks(path, loss="dapo"):
@@ -96,10 +106,12 @@ def test_fsdp2_two_ranks_equal_one_rank_with_accumulation(fsdp2_fake, one_rank, 
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
-    """ZeRO-3 with real generation (dapo) and with the fake rollouts (three losses), one launch."""
+    """ZeRO-3 with real generation (dapo), with the fake rollouts (three losses), and a checkpoint saved and resumed
+    (:func:`saved_and_resumed`), one launch."""
     root = tmp_path_factory.mktemp("zero3")
     torchrun_several([(root / "real", ["4", "1", "dapo", "--real-rollout", "--shard", "zero3"]),
-                      (root / "fake", ["4", "1", ",".join(LOSSES), "--shard", "zero3"])])
+                      (root / "fake", ["4", "1", ",".join(LOSSES), "--shard", "zero3"]),
+                      *saved_and_resumed(root / "zero3-checkpoint", "zero3")])
     return root
 
 
@@ -182,18 +194,16 @@ eval: {{n: 4, max_new_tokens: 8}}
 
 
 @pytest.mark.parametrize("shard", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
-def test_sharded_checkpoint_resumes_bit_for_bit(tmp_path, shard):
+def test_sharded_checkpoint_resumes_bit_for_bit(request, shard):
     """A checkpoint written by two sharded ranks (FSDP2: accelerate's sharded optimizer state and full model state
     dict; ZeRO-3: DeepSpeed's engine checkpoint) resumes to the same parameters as the uninterrupted run, with AdamW
-    so there is optimizer state to restore. Tolerance 0."""
-    env = accelerate_env("fsdp2") if shard == "fsdp2" else None
-    torchrun_ok(tmp_path / "full", "4", "1", "dapo", "--shard", shard, "--adamw", "--save-steps", "--real-rollout",
-                env=env)
-    checkpoint = tmp_path / "full" / "run-dapo" / "checkpoint-1"
-    assert checkpoint.is_dir() and not list((tmp_path / "full" / "run-dapo").glob("*.tmp-*"))
-    torchrun_ok(tmp_path / "resumed", "4", "1", "dapo", "--shard", shard, "--adamw", "--real-rollout",
-                "--resume", str(checkpoint), env=env)
-    for full, resumed in zip(both_ranks(tmp_path / "full"), both_ranks(tmp_path / "resumed")):
+    so there is optimizer state to restore. Tolerance 0. Both runs are made by the fixture's launch
+    (:func:`saved_and_resumed`); the resumed one starts from a new trainer and the checkpoint on disk, with what the
+    runs before it left in the processes' random generators."""
+    root = request.getfixturevalue("real" if shard == "fsdp2" else "zero3") / f"{shard}-checkpoint"
+    checkpoint = root / "full" / "run-dapo" / "checkpoint-1"
+    assert checkpoint.is_dir() and not list((root / "full" / "run-dapo").glob("*.tmp-*"))
+    for full, resumed in zip(both_ranks(root / "full"), both_ranks(root / "resumed")):
         assert resumed["sharding"] == shard
         assert len(full["completions"]) == 2 and len(resumed["completions"]) == 1  # it ran step 2 only
         assert torch.equal(resumed["completions"][0], full["completions"][1])
