@@ -1,6 +1,7 @@
 """Every ``TrainerCallback`` grpokit installs, in one place:
 
-- :mod:`.training`: :class:`TrainerHooks` (the trainer's own hooks into the loop) and :class:`TimeBudget`;
+- :mod:`.training`: :class:`TrainerHooks` (the trainer's own hooks into the loop), :class:`TimeBudget` and
+  :class:`FollowFreeCores` (a job's torch threads follow the free cores);
 - :mod:`.stall`: :class:`StallWatchdog` (``stall_timeout_s``: where a stuck run is stuck);
 - :mod:`.interrupt`: :class:`GracefulInterrupt` (SIGINT/SIGTERM → checkpoint and stop);
 - :mod:`.held_out`: :class:`HeldOutCurve` (held-out accuracy every few steps during training);
@@ -13,7 +14,7 @@ from .interrupt import GracefulInterrupt
 from .metrics_file import MetricsJsonlCallback
 from .progress import ProgressCallback, format_log_line
 from .stall import StallWatchdog
-from .training import TimeBudget, TrainerHooks, install_hooks
+from .training import FollowFreeCores, TimeBudget, TrainerHooks, install_hooks
 
-__all__ = ["GracefulInterrupt", "HeldOutCurve", "MetricsJsonlCallback", "ProgressCallback", "StallWatchdog", "TimeBudget",
-           "TrainerHooks", "format_log_line", "held_out_record", "install_hooks"]
+__all__ = ["FollowFreeCores", "GracefulInterrupt", "HeldOutCurve", "MetricsJsonlCallback", "ProgressCallback",
+           "StallWatchdog", "TimeBudget", "TrainerHooks", "format_log_line", "held_out_record", "install_hooks"]

@@ -72,3 +72,17 @@ class TimeBudget(TrainerCallback):
         if any_process(now - self.start + max(self.recent) > self.seconds, args.device):
             control.should_training_stop = True
         return control
+
+
+class FollowFreeCores(TrainerCallback):
+    """After each optimizer step, torch's CPU threads follow the free cores
+    (:class:`grpokit.machine.threads.FreeCoresFollower`); ``say`` gets the line when the count changes."""
+
+    def __init__(self, follower, say):
+        self.follower, self.say = follower, say
+
+    def on_step_end(self, args, state, control, **kw):
+        line = self.follower.follow()
+        if line:
+            self.say(line)
+        return control

@@ -313,6 +313,8 @@ class _JobRun:
         self.overwrite, self.force_resume = overwrite, force_resume
         self.main = self.config.process_index == 0
         self.out = Path(self.config.output_dir)
+        self.threads = None
+        """While training on a CPU: the :class:`grpokit.machine.threads.FreeCoresFollower` torch's threads follow."""
 
     def tell(self, message: str) -> None:
         if self.main:
@@ -339,14 +341,19 @@ class _JobRun:
 
         resume_path = self._start()
         if self.config.use_cpu or not _has_accelerator():
-            from ..machine.threads import fit_torch_threads
+            import torch
 
+            from ..machine.threads import FreeCoresFollower, fit_torch_threads, user_chose_threads
+
+            ceiling = torch.get_num_threads()
             try:
                 said = fit_torch_threads()
             except ValueError as e:
                 raise JobError(str(e)) from None
             if said:
                 self.tell(said)
+            if not user_chose_threads() and self.config.world_size == 1:  # (ranks: each launcher sets its own)
+                self.threads = FreeCoresFollower(ceiling)
         transformers.set_seed(self.config.seed)
         model, tokenizer = self._load()
         self._check_lora_targets(model)  # before the evaluation: a typo must not cost its minutes
@@ -501,7 +508,7 @@ class _JobRun:
     def _train(self, model, tokenizer, resume_path, budget: float | None):
         import transformers
 
-        from ..callbacks import HeldOutCurve, MetricsJsonlCallback, ProgressCallback, TimeBudget
+        from ..callbacks import FollowFreeCores, HeldOutCurve, MetricsJsonlCallback, ProgressCallback, TimeBudget
         from ..trainer import GRPOTrainer
         from .checkpoints import CheckpointError
         from .run_dir import ResumeMismatch
@@ -529,6 +536,8 @@ class _JobRun:
         trainer.add_callback(ProgressCallback(quiet=self.quiet, time_budget_s=budget))
         if budget:
             trainer.add_callback(TimeBudget(float(budget)))
+        if self.threads is not None:
+            trainer.add_callback(FollowFreeCores(self.threads, self.tell))
         if self.ev.get("every_steps") and self.task.eval_dataset is not None:
             def evaluate_during(model):  # with ema_decay, the averaged weights: what the run would deliver now
                 with trainer.averaged_weights():
