@@ -35,7 +35,9 @@ def vllm_config(**changes):
 
 
 class StandIn:
-    """GET answers by path (status, body); POST /v1/completions sleeps ``delay`` seconds first."""
+    """GET answers by path (status, body); POST /v1/completions sleeps ``delay`` seconds first. Closing it ends every
+    request it is still handling, without an answer (the client gave up), so nothing it does outlives its test (a
+    handler writing to a closed socket afterwards printed a traceback into another test's captured stderr)."""
 
     def __init__(self, **config_changes):
         self.get = {"/health": (200, {}), "/version": (200, {"version": "0.32.0"}),
@@ -43,6 +45,7 @@ class StandIn:
                     "/server_info?config_format=json": (200, {"vllm_config": vllm_config(**config_changes)})}
         self.delay = 0.0
         self.posts = []
+        self.stopping = threading.Event()
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -63,7 +66,8 @@ class StandIn:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
                 stand_in.posts.append((self.path, body))
-                time.sleep(stand_in.delay)
+                if stand_in.stopping.wait(stand_in.delay):  # closed while "busy": the client is gone
+                    return
                 if self.path == "/v1/completions":
                     choices = [{"index": i, "logprobs": {"tokens": ["token_id:7", "token_id:2"],
                                                          "token_logprobs": [-0.5, -0.25]}}
@@ -72,12 +76,19 @@ class StandIn:
                 else:
                     self._send(200, {})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        class Server(ThreadingHTTPServer):
+            daemon_threads = False  # server_close() joins the request threads
+
+            def handle_error(self, request, client_address):
+                if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # a client gone
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self):
+        self.stopping.set()
         self.server.shutdown()
         self.server.server_close()
 
